@@ -1,0 +1,283 @@
+//! llama.cpp block formats `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, byte-for-byte equal to the
+//! `gguf` Python package's `gguf.quants.quantize` (itself equal to ggml's reference quantizers).
+//!
+//! Every step mirrors that reference in f32 with the same operation order (no fused multiply-add),
+//! including its float-to-integer casts, so the bytes agree on zeros, constants, extremes and
+//! denormals, not just on typical data.
+
+use half::f16;
+
+/// Values per block for every format here.
+pub const QK: usize = 32;
+
+/// The cast numpy performs for `float32 -> (u)int8` on x86: NaN, infinities and values outside
+/// the 32-bit range become 0, anything else truncates toward zero and keeps the low byte.
+fn c_cast_byte(v: f32) -> u8 {
+    if !v.is_finite() || v.abs() >= 2_147_483_648.0 {
+        0
+    } else {
+        (v as i32) as u8
+    }
+}
+
+/// `np.where(d == 0, 0, 1 / d)`
+fn inverse_or_zero(d: f32) -> f32 {
+    if d == 0.0 {
+        0.0
+    } else {
+        1.0 / d
+    }
+}
+
+/// ggml's round-half-away-from-zero, written the way gguf writes it.
+fn roundf_away(n: f32) -> f32 {
+    let a = n.abs();
+    let floored = a.floor();
+    let b = floored + (2.0 * (a - floored)).floor();
+    // np.sign(NaN) is NaN; np.sign(0) is 0
+    let sign = if n.is_nan() {
+        f32::NAN
+    } else if n > 0.0 {
+        1.0
+    } else if n < 0.0 {
+        -1.0
+    } else {
+        0.0
+    };
+    sign * b
+}
+
+/// The value with the largest magnitude (first one on ties), sign kept, as `argmax(abs)`.
+fn signed_absmax(block: &[f32]) -> f32 {
+    let mut best = block[0];
+    for &v in &block[1..] {
+        if v.abs() > best.abs() {
+            best = v;
+        }
+    }
+    best
+}
+
+fn min_max(block: &[f32]) -> (f32, f32) {
+    block
+        .iter()
+        .fold((block[0], block[0]), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}
+
+fn put_f16(out: &mut [u8], v: f32) {
+    out[..2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+fn get_f16(b: &[u8]) -> f32 {
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+/// Low nibbles hold values 0..16, high nibbles values 16..32.
+fn pack_nibbles(q: &[u8; QK], out: &mut [u8]) {
+    for j in 0..QK / 2 {
+        out[j] = (q[j] & 0x0F) | (q[j + QK / 2] << 4);
+    }
+}
+
+fn unpack_nibbles(packed: &[u8], q: &mut [u8; QK]) {
+    for j in 0..QK / 2 {
+        q[j] = packed[j] & 0x0F;
+        q[j + QK / 2] = packed[j] >> 4;
+    }
+}
+
+/// Bit 4 of each of the 32 codes, as a little-endian u32.
+fn pack_high_bits(q: &[u8; QK], out: &mut [u8]) {
+    let mut qh = 0u32;
+    for (j, &v) in q.iter().enumerate() {
+        qh |= (((v >> 4) & 1) as u32) << j;
+    }
+    out[..4].copy_from_slice(&qh.to_le_bytes());
+}
+
+fn unpack_high_bits(b: &[u8], q: &mut [u8; QK]) {
+    let qh = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (j, v) in q.iter_mut().enumerate() {
+        *v |= (((qh >> j) & 1) as u8) << 4;
+    }
+}
+
+/// Returns the f32 scale(s) a block would store, so callers can refuse fp16 overflow first.
+pub fn block_scales(format: GgmlFormat, block: &[f32]) -> (f32, Option<f32>) {
+    match format {
+        GgmlFormat::Q8_0 => (
+            block.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0,
+            None,
+        ),
+        GgmlFormat::Q4_0 => (signed_absmax(block) / -8.0, None),
+        GgmlFormat::Q5_0 => (signed_absmax(block) / -16.0, None),
+        GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => {
+            let (lo, hi) = min_max(block);
+            let levels = if format == GgmlFormat::Q4_1 {
+                15.0
+            } else {
+                31.0
+            };
+            ((hi - lo) / levels, Some(lo))
+        }
+    }
+}
+
+/// The five ggml formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgmlFormat {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+}
+
+impl GgmlFormat {
+    /// Bytes per 32-value block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            GgmlFormat::Q8_0 => 34,
+            GgmlFormat::Q4_0 => 18,
+            GgmlFormat::Q4_1 => 20,
+            GgmlFormat::Q5_0 => 22,
+            GgmlFormat::Q5_1 => 24,
+        }
+    }
+
+    /// Quantizes one block of 32 finite values into `out` (`block_bytes()` long).
+    pub fn encode_block(self, block: &[f32], out: &mut [u8]) {
+        debug_assert_eq!(block.len(), QK);
+        let mut q = [0u8; QK];
+        match self {
+            GgmlFormat::Q8_0 => {
+                let (d, _) = block_scales(self, block);
+                let id = inverse_or_zero(d);
+                put_f16(out, d);
+                for (o, &x) in out[2..34].iter_mut().zip(block) {
+                    *o = c_cast_byte(roundf_away(x * id));
+                }
+            }
+            GgmlFormat::Q4_0 | GgmlFormat::Q5_0 => {
+                let (d, _) = block_scales(self, block);
+                let id = inverse_or_zero(d);
+                let (bias, top) = if self == GgmlFormat::Q4_0 {
+                    (8.5f32, 15u8)
+                } else {
+                    (16.5f32, 31u8)
+                };
+                for (v, &x) in q.iter_mut().zip(block) {
+                    *v = c_cast_byte((x * id + bias).trunc()).min(top);
+                }
+                put_f16(out, d);
+                if self == GgmlFormat::Q4_0 {
+                    pack_nibbles(&q, &mut out[2..18]);
+                } else {
+                    pack_high_bits(&q, &mut out[2..6]);
+                    pack_nibbles(&q, &mut out[6..22]);
+                }
+            }
+            GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => {
+                let (d, lo) = block_scales(self, block);
+                let lo = lo.unwrap_or(0.0);
+                let id = inverse_or_zero(d);
+                let top = if self == GgmlFormat::Q4_1 { 15u8 } else { 31u8 };
+                for (v, &x) in q.iter_mut().zip(block) {
+                    *v = c_cast_byte(((x - lo) * id + 0.5).trunc()).min(top);
+                }
+                put_f16(out, d);
+                put_f16(&mut out[2..], lo);
+                if self == GgmlFormat::Q4_1 {
+                    pack_nibbles(&q, &mut out[4..20]);
+                } else {
+                    pack_high_bits(&q, &mut out[4..8]);
+                    pack_nibbles(&q, &mut out[8..24]);
+                }
+            }
+        }
+    }
+
+    /// Dequantizes one block exactly as `gguf.quants.dequantize` does.
+    pub fn decode_block(self, bytes: &[u8], out: &mut [f32]) {
+        let d = get_f16(bytes);
+        let mut q = [0u8; QK];
+        match self {
+            GgmlFormat::Q8_0 => {
+                for (o, &b) in out.iter_mut().zip(&bytes[2..34]) {
+                    *o = (b as i8) as f32 * d;
+                }
+            }
+            GgmlFormat::Q4_0 => {
+                unpack_nibbles(&bytes[2..18], &mut q);
+                for (o, &v) in out.iter_mut().zip(&q) {
+                    *o = d * (v as i32 - 8) as f32;
+                }
+            }
+            GgmlFormat::Q5_0 => {
+                unpack_nibbles(&bytes[6..22], &mut q);
+                unpack_high_bits(&bytes[2..6], &mut q);
+                for (o, &v) in out.iter_mut().zip(&q) {
+                    *o = d * (v as i32 - 16) as f32;
+                }
+            }
+            GgmlFormat::Q4_1 | GgmlFormat::Q5_1 => {
+                let m = get_f16(&bytes[2..]);
+                if self == GgmlFormat::Q4_1 {
+                    unpack_nibbles(&bytes[4..20], &mut q);
+                } else {
+                    unpack_nibbles(&bytes[8..24], &mut q);
+                    unpack_high_bits(&bytes[4..8], &mut q);
+                }
+                for (o, &v) in out.iter_mut().zip(&q) {
+                    *o = d * v as f32 + m;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: [GgmlFormat; 5] = [
+        GgmlFormat::Q8_0,
+        GgmlFormat::Q4_0,
+        GgmlFormat::Q4_1,
+        GgmlFormat::Q5_0,
+        GgmlFormat::Q5_1,
+    ];
+
+    #[test]
+    fn round_to_nearest_is_away_from_zero() {
+        assert_eq!(roundf_away(2.5), 3.0);
+        assert_eq!(roundf_away(-2.5), -3.0);
+        assert_eq!(roundf_away(2.4999), 2.0);
+        assert_eq!(c_cast_byte(-1.0), 255);
+        assert_eq!(c_cast_byte(f32::NAN), 0);
+        assert_eq!(c_cast_byte(300.0), 44);
+    }
+
+    #[test]
+    fn error_is_within_one_step() {
+        let block: Vec<f32> = (0..32)
+            .map(|i| ((i * 7919) % 97) as f32 / 10.0 - 4.8)
+            .collect();
+        for f in ALL {
+            let mut buf = vec![0u8; f.block_bytes()];
+            f.encode_block(&block, &mut buf);
+            let mut back = [0f32; 32];
+            f.decode_block(&buf, &mut back);
+            let step = match f {
+                GgmlFormat::Q8_0 => 4.8 / 127.0,
+                GgmlFormat::Q4_0 => 4.8 / 8.0,
+                GgmlFormat::Q5_0 => 4.8 / 16.0,
+                GgmlFormat::Q4_1 => 9.6 / 15.0,
+                GgmlFormat::Q5_1 => 9.6 / 31.0,
+            };
+            for (a, b) in block.iter().zip(&back) {
+                assert!((a - b).abs() <= step * 1.01, "{f:?}: {a} vs {b}");
+            }
+        }
+    }
+}
