@@ -1,1 +1,183 @@
+//! `sjkvarn._core`: thin PyO3 bindings over the `sjkvarn` crate. Arrays cross by DLPack; every
+//! error becomes a Python exception; heavy work runs with the GIL released.
 
+mod dlpack;
+
+use dlpack::{read_f32, with_f32_out};
+use pyo3::create_exception;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use sjkvarn::body::GROUP;
+use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
+
+create_exception!(_core, CodecError, PyValueError, "Invalid input or setting for the sjkvarn codec.");
+
+fn err(e: sjkvarn::CodecError) -> PyErr {
+    CodecError::new_err(e.to_string())
+}
+
+fn format_of(name: &str) -> PyResult<BlockFormat> {
+    BlockFormat::from_name(name).map_err(err)
+}
+
+/// `(name, values_per_block, bytes_per_block, rotated)` for every flat format.
+#[pyfunction]
+fn formats() -> Vec<(&'static str, usize, usize, bool)> {
+    BlockFormat::all()
+        .iter()
+        .map(|f| (f.name(), f.block_values(), f.block_bytes(), f.rotated()))
+        .collect()
+}
+
+/// Encodes a float tensor; blocks run along the last dimension, which must divide into blocks.
+#[pyfunction]
+#[pyo3(signature = (format, array, threads=None))]
+fn encode<'py>(py: Python<'py>, format: &str, array: &Bound<'py, PyAny>, threads: Option<usize>) -> PyResult<Bound<'py, PyBytes>> {
+    let f = format_of(format)?;
+    let host = read_f32(array, "array")?;
+    let last = host.shape.last().copied().unwrap_or(1);
+    if host.shape.is_empty() || last % f.block_values() != 0 {
+        return Err(CodecError::new_err(format!(
+            "{}: the last dimension ({last}) must be a multiple of the block size {}",
+            f.name(),
+            f.block_values()
+        )));
+    }
+    let bytes = py.detach(|| sjkvarn::format::encode(f, &host.values, threads)).map_err(err)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Decodes `blob` into `out` (a C-contiguous float32 CPU tensor whose size fixes the count).
+#[pyfunction]
+#[pyo3(signature = (format, blob, out, threads=None))]
+fn decode_into(py: Python<'_>, format: &str, blob: &[u8], out: &Bound<'_, PyAny>, threads: Option<usize>) -> PyResult<()> {
+    let f = format_of(format)?;
+    with_f32_out(out, "out", |values, _| {
+        py.detach(|| sjkvarn::format::decode_into(f, blob, values, threads)).map_err(err)
+    })
+}
+
+fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
+    let mode = match mode {
+        "final" => BalanceMode::Final,
+        "best" => BalanceMode::Best,
+        _ => return Err(CodecError::new_err(format!("mode must be 'final' or 'best', got '{mode}'"))),
+    };
+    let stat = match stat {
+        "std" => BalanceStat::Std,
+        "rms" => BalanceStat::Rms,
+        _ => return Err(CodecError::new_err(format!("stat must be 'std' or 'rms', got '{stat}'"))),
+    };
+    let config = BalanceConfig { passes, mode, stat };
+    config.validate().map_err(err)?;
+    Ok(config)
+}
+
+/// `(record_bytes, metadata_bytes, bits_per_value)` of a scalar body record.
+#[pyfunction]
+fn body_layout(head_dim: usize, k_bits: u32, v_bits: u32) -> PyResult<(usize, usize, f64)> {
+    let s = BodySpec::new(head_dim, k_bits, v_bits).map_err(err)?;
+    Ok((s.record_bytes(), s.metadata_bytes(), s.bits_per_value()))
+}
+
+fn check_tiles(shape: &[usize], what: &str) -> PyResult<usize> {
+    match shape {
+        [.., g, d] if *g == GROUP => Ok(*d),
+        _ => Err(CodecError::new_err(format!(
+            "{what}: expected shape [..., {GROUP}, head_dim] (tokens, channels), got {shape:?}"
+        ))),
+    }
+}
+
+/// Encodes K and V tiles `[..., 128, head_dim]` into one scalar body record per tile.
+#[pyfunction]
+#[pyo3(signature = (k, v, k_bits, v_bits, passes=16, mode="final", stat="std", rotated=false, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn encode_body<'py>(
+    py: Python<'py>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    k_bits: u32,
+    v_bits: u32,
+    passes: u32,
+    mode: &str,
+    stat: &str,
+    rotated: bool,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let config = balance_config(passes, mode, stat)?;
+    let (kh, vh) = (read_f32(k, "k")?, read_f32(v, "v")?);
+    let d = check_tiles(&kh.shape, "k")?;
+    check_tiles(&vh.shape, "v")?;
+    if kh.shape != vh.shape {
+        return Err(CodecError::new_err(format!("k and v shapes differ: {:?} vs {:?}", kh.shape, vh.shape)));
+    }
+    let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
+    let bytes = py
+        .detach(|| records::encode_records(&spec, &config, &kh.values, &vh.values, rotated, threads))
+        .map_err(err)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Decodes records into float32 K and V outputs of shape `[..., 128, head_dim]`.
+#[pyfunction]
+#[pyo3(signature = (blob, k_out, v_out, k_bits, v_bits, rotated=false, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn decode_body_into(
+    py: Python<'_>,
+    blob: &[u8],
+    k_out: &Bound<'_, PyAny>,
+    v_out: &Bound<'_, PyAny>,
+    k_bits: u32,
+    v_bits: u32,
+    rotated: bool,
+    threads: Option<usize>,
+) -> PyResult<()> {
+    with_f32_out(k_out, "k_out", |k, k_shape| {
+        let d = check_tiles(k_shape, "k_out")?;
+        with_f32_out(v_out, "v_out", |v, v_shape| {
+            if k_shape != v_shape {
+                return Err(CodecError::new_err("k_out and v_out shapes differ"));
+            }
+            let (k_range, v_range) = (k.as_ptr_range(), v.as_ptr_range());
+            if !k.is_empty() && k_range.start < v_range.end && v_range.start < k_range.end {
+                return Err(CodecError::new_err("k_out and v_out must not share memory"));
+            }
+            let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
+            py.detach(|| records::decode_records(&spec, blob, k, v, rotated, threads)).map_err(err)
+        })
+    })
+}
+
+/// Rotates every head vector of `x` in place (last dimension 64, 128, 256 or 512).
+#[pyfunction]
+fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    with_f32_out(x, "x", |values, shape| {
+        let d = shape.last().copied().unwrap_or(0);
+        py.detach(|| sjkvarn::hadamard::rotate_rows(values, d)).map_err(err)
+    })
+}
+
+/// Copies any supported CPU float tensor to row-major float32 bytes and its shape.
+#[pyfunction]
+fn to_float32<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+    let host = read_f32(x, "x")?;
+    let bytes: Vec<u8> = host.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok((PyBytes::new(py, &bytes), host.shape))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("CodecError", m.py().get_type::<CodecError>())?;
+    m.add("GROUP", GROUP)?;
+    m.add_function(wrap_pyfunction!(formats, m)?)?;
+    m.add_function(wrap_pyfunction!(encode, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_into, m)?)?;
+    m.add_function(wrap_pyfunction!(body_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_body, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_body_into, m)?)?;
+    m.add_function(wrap_pyfunction!(rotate_inplace, m)?)?;
+    m.add_function(wrap_pyfunction!(to_float32, m)?)?;
+    Ok(())
+}

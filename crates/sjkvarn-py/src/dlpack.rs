@@ -1,0 +1,262 @@
+//! Zero-copy access to numpy arrays and torch tensors through the DLPack protocol.
+//!
+//! We call the producer's `__dlpack__()`, read the `DLManagedTensor` behind the returned capsule
+//! while holding the capsule, and never rename it: the capsule's own destructor then hands the
+//! tensor back to its producer when we drop it, as the protocol allows for an unconsumed capsule.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::ffi::c_void;
+
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+const DL_CPU: i32 = 1;
+const DL_INT: u8 = 0;
+const DL_UINT: u8 = 1;
+const DL_FLOAT: u8 = 2;
+const DL_BFLOAT: u8 = 4;
+
+fn device_name(device_type: i32) -> &'static str {
+    match device_type {
+        1 => "cpu",
+        2 => "cuda",
+        3 => "cuda pinned host",
+        4 => "opencl",
+        7 => "vulkan",
+        8 => "metal",
+        10 => "rocm",
+        _ => "an unknown device",
+    }
+}
+
+fn dtype_name(dt: DlDataType) -> String {
+    let kind = match dt.code {
+        DL_INT => "int",
+        DL_UINT => "uint",
+        DL_FLOAT => "float",
+        DL_BFLOAT => "bfloat",
+        5 => "complex",
+        6 => "bool",
+        _ => "unknown",
+    };
+    if dt.lanes == 1 {
+        format!("{kind}{}", dt.bits)
+    } else {
+        format!("{kind}{}x{}", dt.bits, dt.lanes)
+    }
+}
+
+/// A borrowed view of a CPU tensor; valid while `_capsule` lives.
+struct View<'py> {
+    _capsule: Bound<'py, PyAny>,
+    data: *mut u8,
+    dtype: DlDataType,
+    shape: Vec<usize>,
+    /// Strides in elements, always filled in (compact row-major when the producer gave none).
+    strides: Vec<isize>,
+}
+
+fn compact_strides(shape: &[usize]) -> Vec<isize> {
+    let mut strides = vec![1isize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1) as isize;
+    }
+    strides
+}
+
+impl<'py> View<'py> {
+    fn of(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if !obj.hasattr("__dlpack__")? {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: expected a numpy array or torch tensor (an object with __dlpack__), got {}",
+                obj.get_type().name()?
+            )));
+        }
+        let capsule = obj.call_method0("__dlpack__")?;
+        // SAFETY: PyCapsule_GetPointer checks that `capsule` is a capsule named "dltensor" and
+        // returns null with a Python error set otherwise; the pointer stays valid while we hold
+        // the capsule, which we keep inside the returned view.
+        let managed = unsafe {
+            pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) as *const DlManagedTensor
+        };
+        if managed.is_null() {
+            return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
+                PyTypeError::new_err(format!("{what}: __dlpack__ did not return a DLPack capsule"))
+            }));
+        }
+        // SAFETY: non-null pointer to the producer's DLManagedTensor, alive with the capsule.
+        let t = unsafe { &(*managed).dl_tensor };
+        if t.device.device_type != DL_CPU {
+            return Err(PyValueError::new_err(format!(
+                "{what}: tensor is on {} (device {}); this call needs a CPU tensor",
+                device_name(t.device.device_type),
+                t.device.device_id
+            )));
+        }
+        let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{what}: negative ndim")))?;
+        // SAFETY: DLPack guarantees `shape` has `ndim` entries and `strides` is null or has `ndim`.
+        let shape_raw = if ndim == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+        let shape: Vec<usize> = shape_raw
+            .iter()
+            .map(|&s| usize::try_from(s).map_err(|_| PyValueError::new_err(format!("{what}: negative dimension {s}"))))
+            .collect::<PyResult<_>>()?;
+        let strides = if t.strides.is_null() || ndim == 0 {
+            compact_strides(&shape)
+        } else {
+            // SAFETY: see above.
+            unsafe { std::slice::from_raw_parts(t.strides, ndim) }
+                .iter()
+                .map(|&s| s as isize)
+                .collect()
+        };
+        // SAFETY: data + byte_offset is the start of the tensor's storage per the DLPack contract.
+        let data = unsafe { (t.data as *mut u8).add(t.byte_offset as usize) };
+        Ok(Self {
+            _capsule: capsule,
+            data,
+            dtype: t.dtype,
+            shape,
+            strides,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    fn is_compact(&self) -> bool {
+        self.shape
+            .iter()
+            .zip(self.strides.iter().zip(compact_strides(&self.shape)))
+            .all(|(&n, (&s, c))| n <= 1 || s == c)
+    }
+
+    /// Element offsets in row-major order.
+    fn offsets(&self) -> Vec<isize> {
+        let mut out = Vec::with_capacity(self.len());
+        if self.len() == 0 {
+            return out;
+        }
+        let nd = self.shape.len();
+        let mut idx = vec![0usize; nd];
+        let mut offset = 0isize;
+        loop {
+            out.push(offset);
+            let mut d = nd;
+            loop {
+                if d == 0 {
+                    return out;
+                }
+                d -= 1;
+                idx[d] += 1;
+                offset += self.strides[d];
+                if idx[d] < self.shape[d] {
+                    break;
+                }
+                offset -= self.strides[d] * self.shape[d] as isize;
+                idx[d] = 0;
+            }
+        }
+    }
+}
+
+/// A float tensor copied to f32 (the conversion is needed anyway for fp16/bf16 inputs).
+pub struct HostArray {
+    pub values: Vec<f32>,
+    pub shape: Vec<usize>,
+}
+
+/// Reads a CPU float tensor of any layout as row-major f32.
+pub fn read_f32(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostArray> {
+    let view = View::of(obj, what)?;
+    let dt = view.dtype;
+    let convert: fn(*const u8) -> f32 = match (dt.code, dt.bits, dt.lanes) {
+        // SAFETY (all four): `p` points at one element of the stated type inside the tensor;
+        // unaligned reads because DLPack does not promise alignment after byte_offset.
+        (DL_FLOAT, 32, 1) => |p| unsafe { (p as *const f32).read_unaligned() },
+        (DL_FLOAT, 64, 1) => |p| unsafe { (p as *const f64).read_unaligned() as f32 },
+        (DL_FLOAT, 16, 1) => |p| half::f16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32(),
+        (DL_BFLOAT, 16, 1) => |p| half::bf16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32(),
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: dtype {} is not supported; use float32, float16, bfloat16 or float64",
+                dtype_name(dt)
+            )))
+        }
+    };
+    let size = dt.bits as isize / 8;
+    let values = if view.is_compact() {
+        (0..view.len() as isize)
+            // SAFETY: compact layout: element i lives at data + i * size, within the tensor.
+            .map(|i| convert(unsafe { view.data.offset(i * size) }))
+            .collect()
+    } else {
+        view.offsets()
+            .into_iter()
+            // SAFETY: offsets follow the producer's own shape and strides.
+            .map(|o| convert(unsafe { view.data.offset(o * size) }))
+            .collect()
+    };
+    Ok(HostArray {
+        values,
+        shape: view.shape.clone(),
+    })
+}
+
+/// Runs `work` on the memory of a compact, writable float32 CPU tensor.
+pub fn with_f32_out<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    work: impl FnOnce(&mut [f32], &[usize]) -> PyResult<T>,
+) -> PyResult<T> {
+    let view = View::of(obj, what)?;
+    if (view.dtype.code, view.dtype.bits, view.dtype.lanes) != (DL_FLOAT, 32, 1) {
+        return Err(PyTypeError::new_err(format!("{what}: must be float32, got {}", dtype_name(view.dtype))));
+    }
+    if !view.is_compact() {
+        return Err(PyValueError::new_err(format!("{what}: must be C-contiguous")));
+    }
+    if view.len() > 0 && (view.data as usize) % std::mem::align_of::<f32>() != 0 {
+        return Err(PyValueError::new_err(format!("{what}: data is not 4-byte aligned")));
+    }
+    let len = view.len();
+    let out: &mut [f32] = if len == 0 {
+        &mut []
+    } else {
+        // SAFETY: compact, aligned float32 storage of `len` elements owned by the producer and
+        // kept alive by the capsule in `view`; the caller passed it as an output, so we are the
+        // only writer for the duration of `work`.
+        unsafe { std::slice::from_raw_parts_mut(view.data as *mut f32, len) }
+    };
+    work(out, &view.shape.clone())
+}

@@ -1,0 +1,163 @@
+"""Encode and decode KV tensors in every sjkvarn format.
+
+Inputs are numpy arrays or CPU torch tensors (float32, float16, bfloat16 or float64); they cross
+into Rust by DLPack, never through Python lists. Outputs are numpy float32 arrays (or a
+caller-provided float32 tensor via ``out=``). Every failure raises :class:`sjkvarn.CodecError`
+(a ``ValueError``), ``TypeError`` for wrong types and dtypes, or ``ValueError`` for wrong devices.
+
+Flat block formats (``FORMATS``): ``f16``, llama.cpp ``q8_0 q4_0 q4_1 q5_0 q5_1`` (bit-exact with
+``gguf.quants.quantize``), and the rotated norm-coded ``turbo3 turbo4 tq5_0 tq6_0``. Blocks run
+along the last dimension. The scalar body record (``encode_body``) codes K and V tiles of one KV
+head and one 128-token group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from sjkvarn import _core
+
+GROUP: int = _core.GROUP
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """Geometry of a flat block format."""
+
+    name: str
+    block_values: int
+    block_bytes: int
+    rotated: bool
+
+    @property
+    def bits_per_value(self) -> float:
+        return self.block_bytes * 8 / self.block_values
+
+
+FORMATS: dict[str, FormatInfo] = {
+    name: FormatInfo(name, values, nbytes, rotated)
+    for name, values, nbytes, rotated in _core.formats()
+}
+
+
+def format_info(fmt: str) -> FormatInfo:
+    """Block geometry of ``fmt``; raises CodecError for an unknown name."""
+    try:
+        return FORMATS[fmt.lower()]
+    except KeyError:
+        raise _core.CodecError(
+            f"unknown format {fmt!r}; known formats: {', '.join(FORMATS)}"
+        ) from None
+
+
+def _exportable(array: Any) -> Any:
+    """Something whose ``__dlpack__`` works: detaches autograd tensors, copies read-only arrays."""
+    if hasattr(array, "detach") and getattr(array, "requires_grad", False):
+        array = array.detach()
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
+        array = array.copy()
+    return array
+
+
+def _blob(blob: bytes | bytearray | memoryview) -> bytes:
+    if isinstance(blob, bytes):
+        return blob
+    if isinstance(blob, (bytearray, memoryview)):
+        return bytes(blob)
+    raise TypeError(f"blob must be bytes, bytearray or memoryview, got {type(blob).__name__}")
+
+
+def encode(fmt: str, array: Any, *, threads: int | None = None) -> bytes:
+    """Encodes ``array`` (last dimension a multiple of the format's block size) to bytes."""
+    return _core.encode(fmt, _exportable(array), threads)
+
+
+def decode(
+    fmt: str,
+    blob: bytes | bytearray | memoryview,
+    shape: Sequence[int],
+    *,
+    out: Any = None,
+    threads: int | None = None,
+) -> Any:
+    """Decodes ``blob`` into a float32 array of ``shape`` (or into ``out``, which it returns)."""
+    if out is None:
+        out = np.empty(tuple(int(s) for s in shape), dtype=np.float32)
+    elif tuple(out.shape) != tuple(shape):
+        raise _core.CodecError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    _core.decode_into(fmt, _blob(blob), out, threads)
+    return out
+
+
+@dataclass(frozen=True)
+class BodyLayout:
+    """Size of one scalar body record (K and V of one KV head, one 128-token group)."""
+
+    record_bytes: int
+    metadata_bytes: int
+    bits_per_value: float
+
+
+def body_layout(head_dim: int, k_bits: int, v_bits: int) -> BodyLayout:
+    """Record size; raises CodecError for unsupported head sizes or bit widths."""
+    return BodyLayout(*_core.body_layout(head_dim, k_bits, v_bits))
+
+
+def encode_body(
+    k: Any,
+    v: Any,
+    *,
+    k_bits: int = 4,
+    v_bits: int = 4,
+    passes: int = 16,
+    mode: str = "final",
+    stat: str = "std",
+    rotated: bool = False,
+    threads: int | None = None,
+) -> bytes:
+    """Seals K and V tiles ``[..., 128, head_dim]`` into one scalar body record per tile.
+
+    ``mode`` is ``"final"`` (SJ-KVaRN, 16 passes) or ``"best"`` (KVarN reference, 8 passes);
+    ``stat`` is ``"std"`` or ``"rms"``. ``rotated=True`` means the tiles are already in the
+    Hadamard frame (as the cache stores them); otherwise they are rotated first.
+    """
+    return _core.encode_body(
+        _exportable(k), _exportable(v), k_bits, v_bits, passes, mode, stat, rotated, threads
+    )
+
+
+def decode_body(
+    blob: bytes | bytearray | memoryview,
+    *,
+    head_dim: int,
+    k_bits: int = 4,
+    v_bits: int = 4,
+    rotated: bool = False,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes records into float32 ``(k, v)``, each ``[records, 128, head_dim]``."""
+    data = _blob(blob)
+    record = body_layout(head_dim, k_bits, v_bits).record_bytes
+    if len(data) == 0 or len(data) % record:
+        raise _core.CodecError(
+            f"blob of {len(data)} bytes is not a whole number of {record}-byte records"
+        )
+    shape = (len(data) // record, GROUP, head_dim)
+    k = np.empty(shape, dtype=np.float32)
+    v = np.empty(shape, dtype=np.float32)
+    _core.decode_body_into(data, k, v, k_bits, v_bits, rotated, threads)
+    return k, v
+
+
+def rotate(array: Any) -> np.ndarray:
+    """Orthonormal Walsh-Hadamard rotation of each head vector (last dim 64/128/256/512).
+
+    The rotation is its own inverse: ``rotate(rotate(x)) == x`` up to rounding.
+    """
+    data, shape = _core.to_float32(_exportable(array))
+    host = np.frombuffer(bytearray(data), dtype=np.float32).reshape(shape)
+    _core.rotate_inplace(host)
+    return host

@@ -1,0 +1,11 @@
+"""Shared fixtures: seeded generators only, so every figure a test prints is reproducible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20261129)
