@@ -63,7 +63,9 @@ def test_unsupported_head_sizes(head_dim: int) -> None:
 def test_body_shapes() -> None:
     good = np.zeros((2, 128, 64), dtype=np.float32)
     with pytest.raises(CodecError, match="128, head_dim"):
-        codec.encode_body(np.zeros((64, 64), dtype=np.float32), np.zeros((64, 64), dtype=np.float32))
+        codec.encode_body(
+            np.zeros((64, 64), dtype=np.float32), np.zeros((64, 64), dtype=np.float32)
+        )
     with pytest.raises(CodecError, match="differ"):
         codec.encode_body(good, good[:1])
     blob = codec.encode_body(good, good)

@@ -1,4 +1,4 @@
-"""q8_0 / q4_0 / q4_1 / q5_0 / q5_1 bytes equal gguf.quants.quantize, and decode equals dequantize."""
+"""q8_0, q4_0, q4_1, q5_0, q5_1: bytes equal gguf.quants.quantize, decode equals dequantize."""
 
 from __future__ import annotations
 
@@ -48,8 +48,12 @@ def test_bytes_equal_gguf(fmt: str, rng: np.random.Generator) -> None:
             theirs = quants.quantize(x, GGML[fmt]).tobytes()
             assert ours == theirs, f"{fmt} differs from gguf on {name}"
             back = codec.decode(fmt, ours, x.shape)
-            ref = quants.dequantize(np.frombuffer(theirs, dtype=np.uint8).reshape(x.shape[0], -1), GGML[fmt])
-            np.testing.assert_array_equal(back, ref.reshape(x.shape), err_msg=f"{fmt} decode on {name}")
+            ref = quants.dequantize(
+                np.frombuffer(theirs, dtype=np.uint8).reshape(x.shape[0], -1), GGML[fmt]
+            )
+            np.testing.assert_array_equal(
+                back, ref.reshape(x.shape), err_msg=f"{fmt} decode on {name}"
+            )
 
 
 def test_float16_and_bfloat16_inputs_match_their_float32_values(rng: np.random.Generator) -> None:

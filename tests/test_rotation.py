@@ -1,4 +1,4 @@
-"""The Walsh-Hadamard rotation is orthonormal, self-inverse and equals the dense Sylvester matrix."""
+"""The Walsh-Hadamard rotation is orthonormal, self-inverse and equals the dense matrix."""
 
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ def test_body_from_torch_and_decode_into_torch() -> None:
     out = torch.empty(2, 64)
     result = codec.decode("q8_0", codec.encode("q8_0", x), (2, 64), out=out)
     assert result is out
-    np.testing.assert_array_equal(out.numpy(), codec.decode("q8_0", codec.encode("q8_0", x), (2, 64)))
+    np.testing.assert_array_equal(
+        out.numpy(), codec.decode("q8_0", codec.encode("q8_0", x), (2, 64))
+    )
 
 
 def test_non_cpu_device_is_refused() -> None:

@@ -107,11 +107,14 @@ impl<'py> View<'py> {
         // returns null with a Python error set otherwise; the pointer stays valid while we hold
         // the capsule, which we keep inside the returned view.
         let managed = unsafe {
-            pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) as *const DlManagedTensor
+            pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr())
+                as *const DlManagedTensor
         };
         if managed.is_null() {
             return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
-                PyTypeError::new_err(format!("{what}: __dlpack__ did not return a DLPack capsule"))
+                PyTypeError::new_err(format!(
+                    "{what}: __dlpack__ did not return a DLPack capsule"
+                ))
             }));
         }
         // SAFETY: non-null pointer to the producer's DLManagedTensor, alive with the capsule.
@@ -123,12 +126,20 @@ impl<'py> View<'py> {
                 t.device.device_id
             )));
         }
-        let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{what}: negative ndim")))?;
+        let ndim = usize::try_from(t.ndim)
+            .map_err(|_| PyValueError::new_err(format!("{what}: negative ndim")))?;
         // SAFETY: DLPack guarantees `shape` has `ndim` entries and `strides` is null or has `ndim`.
-        let shape_raw = if ndim == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
+        let shape_raw = if ndim == 0 {
+            &[][..]
+        } else {
+            unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+        };
         let shape: Vec<usize> = shape_raw
             .iter()
-            .map(|&s| usize::try_from(s).map_err(|_| PyValueError::new_err(format!("{what}: negative dimension {s}"))))
+            .map(|&s| {
+                usize::try_from(s)
+                    .map_err(|_| PyValueError::new_err(format!("{what}: negative dimension {s}")))
+            })
             .collect::<PyResult<_>>()?;
         let strides = if t.strides.is_null() || ndim == 0 {
             compact_strides(&shape)
@@ -205,8 +216,12 @@ pub fn read_f32(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostArray> {
         // unaligned reads because DLPack does not promise alignment after byte_offset.
         (DL_FLOAT, 32, 1) => |p| unsafe { (p as *const f32).read_unaligned() },
         (DL_FLOAT, 64, 1) => |p| unsafe { (p as *const f64).read_unaligned() as f32 },
-        (DL_FLOAT, 16, 1) => |p| half::f16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32(),
-        (DL_BFLOAT, 16, 1) => |p| half::bf16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32(),
+        (DL_FLOAT, 16, 1) => {
+            |p| half::f16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32()
+        }
+        (DL_BFLOAT, 16, 1) => {
+            |p| half::bf16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32()
+        }
         _ => {
             return Err(PyTypeError::new_err(format!(
                 "{what}: dtype {} is not supported; use float32, float16, bfloat16 or float64",
@@ -241,13 +256,20 @@ pub fn with_f32_out<'py, T>(
 ) -> PyResult<T> {
     let view = View::of(obj, what)?;
     if (view.dtype.code, view.dtype.bits, view.dtype.lanes) != (DL_FLOAT, 32, 1) {
-        return Err(PyTypeError::new_err(format!("{what}: must be float32, got {}", dtype_name(view.dtype))));
+        return Err(PyTypeError::new_err(format!(
+            "{what}: must be float32, got {}",
+            dtype_name(view.dtype)
+        )));
     }
     if !view.is_compact() {
-        return Err(PyValueError::new_err(format!("{what}: must be C-contiguous")));
+        return Err(PyValueError::new_err(format!(
+            "{what}: must be C-contiguous"
+        )));
     }
     if view.len() > 0 && (view.data as usize) % std::mem::align_of::<f32>() != 0 {
-        return Err(PyValueError::new_err(format!("{what}: data is not 4-byte aligned")));
+        return Err(PyValueError::new_err(format!(
+            "{what}: data is not 4-byte aligned"
+        )));
     }
     let len = view.len();
     let out: &mut [f32] = if len == 0 {

@@ -11,7 +11,12 @@ use pyo3::types::PyBytes;
 use sjkvarn::body::GROUP;
 use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
-create_exception!(_core, CodecError, PyValueError, "Invalid input or setting for the sjkvarn codec.");
+create_exception!(
+    _core,
+    CodecError,
+    PyValueError,
+    "Invalid input or setting for the sjkvarn codec."
+);
 
 fn err(e: sjkvarn::CodecError) -> PyErr {
     CodecError::new_err(e.to_string())
@@ -33,7 +38,12 @@ fn formats() -> Vec<(&'static str, usize, usize, bool)> {
 /// Encodes a float tensor; blocks run along the last dimension, which must divide into blocks.
 #[pyfunction]
 #[pyo3(signature = (format, array, threads=None))]
-fn encode<'py>(py: Python<'py>, format: &str, array: &Bound<'py, PyAny>, threads: Option<usize>) -> PyResult<Bound<'py, PyBytes>> {
+fn encode<'py>(
+    py: Python<'py>,
+    format: &str,
+    array: &Bound<'py, PyAny>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyBytes>> {
     let f = format_of(format)?;
     let host = read_f32(array, "array")?;
     let last = host.shape.last().copied().unwrap_or(1);
@@ -44,17 +54,26 @@ fn encode<'py>(py: Python<'py>, format: &str, array: &Bound<'py, PyAny>, threads
             f.block_values()
         )));
     }
-    let bytes = py.detach(|| sjkvarn::format::encode(f, &host.values, threads)).map_err(err)?;
+    let bytes = py
+        .detach(|| sjkvarn::format::encode(f, &host.values, threads))
+        .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
 }
 
 /// Decodes `blob` into `out` (a C-contiguous float32 CPU tensor whose size fixes the count).
 #[pyfunction]
 #[pyo3(signature = (format, blob, out, threads=None))]
-fn decode_into(py: Python<'_>, format: &str, blob: &[u8], out: &Bound<'_, PyAny>, threads: Option<usize>) -> PyResult<()> {
+fn decode_into(
+    py: Python<'_>,
+    format: &str,
+    blob: &[u8],
+    out: &Bound<'_, PyAny>,
+    threads: Option<usize>,
+) -> PyResult<()> {
     let f = format_of(format)?;
     with_f32_out(out, "out", |values, _| {
-        py.detach(|| sjkvarn::format::decode_into(f, blob, values, threads)).map_err(err)
+        py.detach(|| sjkvarn::format::decode_into(f, blob, values, threads))
+            .map_err(err)
     })
 }
 
@@ -62,12 +81,20 @@ fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig
     let mode = match mode {
         "final" => BalanceMode::Final,
         "best" => BalanceMode::Best,
-        _ => return Err(CodecError::new_err(format!("mode must be 'final' or 'best', got '{mode}'"))),
+        _ => {
+            return Err(CodecError::new_err(format!(
+                "mode must be 'final' or 'best', got '{mode}'"
+            )))
+        }
     };
     let stat = match stat {
         "std" => BalanceStat::Std,
         "rms" => BalanceStat::Rms,
-        _ => return Err(CodecError::new_err(format!("stat must be 'std' or 'rms', got '{stat}'"))),
+        _ => {
+            return Err(CodecError::new_err(format!(
+                "stat must be 'std' or 'rms', got '{stat}'"
+            )))
+        }
     };
     let config = BalanceConfig { passes, mode, stat };
     config.validate().map_err(err)?;
@@ -111,11 +138,16 @@ fn encode_body<'py>(
     let d = check_tiles(&kh.shape, "k")?;
     check_tiles(&vh.shape, "v")?;
     if kh.shape != vh.shape {
-        return Err(CodecError::new_err(format!("k and v shapes differ: {:?} vs {:?}", kh.shape, vh.shape)));
+        return Err(CodecError::new_err(format!(
+            "k and v shapes differ: {:?} vs {:?}",
+            kh.shape, vh.shape
+        )));
     }
     let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
     let bytes = py
-        .detach(|| records::encode_records(&spec, &config, &kh.values, &vh.values, rotated, threads))
+        .detach(|| {
+            records::encode_records(&spec, &config, &kh.values, &vh.values, rotated, threads)
+        })
         .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
 }
@@ -145,7 +177,8 @@ fn decode_body_into(
                 return Err(CodecError::new_err("k_out and v_out must not share memory"));
             }
             let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
-            py.detach(|| records::decode_records(&spec, blob, k, v, rotated, threads)).map_err(err)
+            py.detach(|| records::decode_records(&spec, blob, k, v, rotated, threads))
+                .map_err(err)
         })
     })
 }
@@ -155,13 +188,17 @@ fn decode_body_into(
 fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
     with_f32_out(x, "x", |values, shape| {
         let d = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::hadamard::rotate_rows(values, d)).map_err(err)
+        py.detach(|| sjkvarn::hadamard::rotate_rows(values, d))
+            .map_err(err)
     })
 }
 
 /// Copies any supported CPU float tensor to row-major float32 bytes and its shape.
 #[pyfunction]
-fn to_float32<'py>(py: Python<'py>, x: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+fn to_float32<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
     let host = read_f32(x, "x")?;
     let bytes: Vec<u8> = host.values.iter().flat_map(|v| v.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &bytes), host.shape))

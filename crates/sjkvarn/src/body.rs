@@ -99,18 +99,24 @@ impl BodySpec {
     }
 }
 
+/// Codes (row-major) and the fp16 step `a` and offset `z` of every row.
+struct RoundedRows<'a> {
+    codes: &'a mut [u8],
+    a: Vec<f16>,
+    z: Vec<f16>,
+}
+
 /// Per-row asymmetric min/max rounding of a row-major `rows x cols` tile divided by the column
-/// scales `col_scale`; writes codes (row-major) and the fp16 `a`, `z` per row.
-fn round_rows(
+/// scales `col_scale`.
+fn round_rows<'a>(
     tile: &[f32],
-    rows: usize,
     cols: usize,
     col_scale: &[f32],
     bits: u32,
-    codes: &mut [u8],
-    a_out: &mut [f16],
-    z_out: &mut [f16],
-) -> Result<()> {
+    codes: &'a mut [u8],
+) -> Result<RoundedRows<'a>> {
+    let rows = tile.len() / cols;
+    let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
     let top = ((1u32 << bits) - 1) as f32;
     let inv: Vec<f32> = col_scale.iter().map(|s| 1.0 / s).collect();
     let mut row = vec![0.0f32; cols];
@@ -139,7 +145,11 @@ fn round_rows(
         a_out[i] = a;
         z_out[i] = z;
     }
-    Ok(())
+    Ok(RoundedRows {
+        codes,
+        a: a_out,
+        z: z_out,
+    })
 }
 
 /// Column scales of a balanced tile, rounded to fp16 (always positive and finite: the column
@@ -216,35 +226,17 @@ impl BodySpec {
 
             // K: rows = channels, columns = tokens; stored column scales are per token.
             let s_k = column_scales(&k_tile, r, GROUP, config);
-            let (mut a_k, mut z_k) = (vec![f16::ZERO; r], vec![f16::ZERO; r]);
             let s_k32: Vec<f32> = s_k.iter().map(|s| s.to_f32()).collect();
-            round_rows(
-                &k_tile,
-                r,
-                GROUP,
-                &s_k32,
-                self.k_bits,
-                &mut codes,
-                &mut a_k,
-                &mut z_k,
-            )?;
-            bitpack::pack(&codes, self.k_bits, k_codes);
+            let rk = round_rows(&k_tile, GROUP, &s_k32, self.k_bits, &mut codes)?;
+            bitpack::pack(rk.codes, self.k_bits, k_codes);
+            let (a_k, z_k) = (rk.a, rk.z);
 
             // V: rows = tokens, columns = channels; stored column scales are per channel.
             let s_v = column_scales(&v_tile, GROUP, r, config);
-            let (mut a_v, mut z_v) = (vec![f16::ZERO; GROUP], vec![f16::ZERO; GROUP]);
             let s_v32: Vec<f32> = s_v.iter().map(|s| s.to_f32()).collect();
-            round_rows(
-                &v_tile,
-                GROUP,
-                r,
-                &s_v32,
-                self.v_bits,
-                &mut codes,
-                &mut a_v,
-                &mut z_v,
-            )?;
-            bitpack::pack(&codes, self.v_bits, v_codes);
+            let rv = round_rows(&v_tile, r, &s_v32, self.v_bits, &mut codes)?;
+            bitpack::pack(rv.codes, self.v_bits, v_codes);
+            let (a_v, z_v) = (rv.a, rv.z);
 
             let mut at = 0;
             for part in [&a_k, &z_k, &s_k, &a_v, &z_v, &s_v] {
