@@ -102,3 +102,73 @@ pub fn decode_records(
             })
     })?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balance::{BalanceMode, BalanceStat};
+
+    fn tiles(n: usize, d: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n * GROUP * d)
+            .map(|i| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                if i % d == 3 {
+                    u * 40.0 // an outlier channel
+                } else {
+                    u
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bytes_do_not_depend_on_thread_count() {
+        let (k, v) = (tiles(5, 128, 1), tiles(5, 128, 2));
+        for mode in [BalanceMode::Final, BalanceMode::Best] {
+            for stat in [BalanceStat::Std, BalanceStat::Rms] {
+                let cfg = BalanceConfig {
+                    passes: 12,
+                    mode,
+                    stat,
+                };
+                let spec = BodySpec::new(128, 3, 2).unwrap();
+                let one = encode_records(&spec, &cfg, &k, &v, false, Some(1)).unwrap();
+                let two = encode_records(&spec, &cfg, &k, &v, false, Some(2)).unwrap();
+                let again = encode_records(&spec, &cfg, &k, &v, false, Some(2)).unwrap();
+                assert_eq!(one, two);
+                assert_eq!(two, again);
+            }
+        }
+    }
+
+    #[test]
+    fn round_trip_and_errors() {
+        let spec = BodySpec::new(512, 4, 4).unwrap();
+        let (k, v) = (tiles(2, 512, 3), tiles(2, 512, 4));
+        let cfg = BalanceConfig::default();
+        let recs = encode_records(&spec, &cfg, &k, &v, false, None).unwrap();
+        assert_eq!(recs.len(), 2 * spec.record_bytes());
+        let (mut kk, mut vv) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+        decode_records(&spec, &recs, &mut kk, &mut vv, false, None).unwrap();
+        let rel = |a: &[f32], b: &[f32]| {
+            let e: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            e / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>()
+        };
+        assert!(rel(&k, &kk) < 0.02 && rel(&v, &vv) < 0.02);
+        assert!(encode_records(&spec, &cfg, &k, &v[1..], false, None).is_err());
+        assert!(encode_records(&spec, &cfg, &k[1..], &v[1..], false, None).is_err());
+        assert!(decode_records(&spec, &recs[1..], &mut kk, &mut vv, false, None).is_err());
+        let mut bad = v.clone();
+        bad[10] = f32::INFINITY;
+        assert_eq!(
+            encode_records(&spec, &cfg, &k, &bad, false, None),
+            Err(CodecError::NonFinite {
+                index: k.len() + 10
+            })
+        );
+    }
+}
