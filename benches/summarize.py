@@ -1,6 +1,8 @@
 """Turns `cargo bench -p sjkvarn --bench codec` output into the README's markdown tables.
 
-Usage: cargo bench -p sjkvarn --bench codec -- --quick | tee bench.txt; python benches/summarize.py bench.txt
+Usage:
+    cargo bench -p sjkvarn --bench codec -- --quick | tee bench.txt
+    python benches/summarize.py bench.txt
 """
 
 from __future__ import annotations
