@@ -118,15 +118,29 @@ def encode_body(
     stat: str = "std",
     rotated: bool = False,
     threads: int | None = None,
+    k_body: str = "scalar",
+    v_body: str = "scalar",
 ) -> bytes:
-    """Seals K and V tiles ``[..., 128, head_dim]`` into one scalar body record per tile.
+    """Seals K and V tiles ``[..., 128, head_dim]`` into one body record per tile.
 
     ``mode`` is ``"final"`` (SJ-KVaRN, 16 passes) or ``"best"`` (KVarN reference, 8 passes);
     ``stat`` is ``"std"`` or ``"rms"``. ``rotated=True`` means the tiles are already in the
     Hadamard frame (as the cache stores them); otherwise they are rotated first.
+    ``k_body``/``v_body``: ``"scalar"``, ``"trellis"`` (runs along tokens, 2-4 bits) or
+    ``"trellis-channel"`` (runs along channels). Records have the same size either way.
     """
     return _core.encode_body(
-        _exportable(k), _exportable(v), k_bits, v_bits, passes, mode, stat, rotated, threads
+        _exportable(k),
+        _exportable(v),
+        k_bits,
+        v_bits,
+        passes,
+        mode,
+        stat,
+        rotated,
+        threads,
+        k_body,
+        v_body,
     )
 
 
@@ -138,6 +152,8 @@ def decode_body(
     v_bits: int = 4,
     rotated: bool = False,
     threads: int | None = None,
+    k_body: str = "scalar",
+    v_body: str = "scalar",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decodes records into float32 ``(k, v)``, each ``[records, 128, head_dim]``."""
     data = _blob(blob)
@@ -149,8 +165,35 @@ def decode_body(
     shape = (len(data) // record, GROUP, head_dim)
     k = np.empty(shape, dtype=np.float32)
     v = np.empty(shape, dtype=np.float32)
-    _core.decode_body_into(data, k, v, k_bits, v_bits, rotated, threads)
+    _core.decode_body_into(data, k, v, k_bits, v_bits, rotated, threads, k_body, v_body)
     return k, v
+
+
+def encode_trellis(array: Any, *, bits: int, threads: int | None = None) -> bytes:
+    """Codes each last-dimension row of ``array`` as one tail-biting trellis run.
+
+    The shipped codebooks are trained for N(0, 1) values (the body standardises rows first);
+    runs need at least 8 values and ``len * bits`` divisible by 8. ``bits`` is 2, 3 or 4.
+    """
+    return _core.encode_trellis(_exportable(array), bits, threads)
+
+
+def decode_trellis(
+    blob: bytes | bytearray | memoryview,
+    shape: Sequence[int],
+    *,
+    bits: int,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Decodes trellis runs into a float32 array of ``shape`` (last dimension = run length)."""
+    out = np.empty(tuple(int(s) for s in shape), dtype=np.float32)
+    _core.decode_trellis_into(_blob(blob), out, bits, threads)
+    return out
+
+
+def trellis_codebook(bits: int) -> np.ndarray:
+    """The shipped ``2^(6+bits)``-entry codebook (index = last ``6+bits`` stream bits)."""
+    return np.frombuffer(_core.trellis_codebook(bits), dtype="<f4").copy()
 
 
 def rotate(array: Any) -> np.ndarray:

@@ -9,6 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use sjkvarn::body::GROUP;
+use sjkvarn::body::{BodyCoding, TrellisAxis};
 use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
 create_exception!(
@@ -77,6 +78,22 @@ fn decode_into(
     })
 }
 
+fn coding(name: &str) -> PyResult<BodyCoding> {
+    match name {
+        "scalar" => Ok(BodyCoding::Scalar),
+        "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
+        "trellis-channel" => Ok(BodyCoding::Trellis(TrellisAxis::Channel)),
+        _ => Err(CodecError::new_err(format!(
+            "body must be 'scalar', 'trellis' (token axis) or 'trellis-channel', got '{name}'"
+        ))),
+    }
+}
+
+fn body_spec(head_dim: usize, k_bits: u32, v_bits: u32, k_body: &str, v_body: &str) -> PyResult<BodySpec> {
+    let (k, v) = (coding(k_body)?, coding(v_body)?);
+    BodySpec::new(head_dim, k_bits, v_bits).and_then(|s| s.with_coding(k, v)).map_err(err)
+}
+
 fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
     let mode = match mode {
         "final" => BalanceMode::Final,
@@ -119,7 +136,7 @@ fn check_tiles(shape: &[usize], what: &str) -> PyResult<usize> {
 
 /// Encodes K and V tiles `[..., 128, head_dim]` into one scalar body record per tile.
 #[pyfunction]
-#[pyo3(signature = (k, v, k_bits, v_bits, passes=16, mode="final", stat="std", rotated=false, threads=None))]
+#[pyo3(signature = (k, v, k_bits, v_bits, passes=16, mode="final", stat="std", rotated=false, threads=None, k_body="scalar", v_body="scalar"))]
 #[allow(clippy::too_many_arguments)]
 fn encode_body<'py>(
     py: Python<'py>,
@@ -132,6 +149,8 @@ fn encode_body<'py>(
     stat: &str,
     rotated: bool,
     threads: Option<usize>,
+    k_body: &str,
+    v_body: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let config = balance_config(passes, mode, stat)?;
     let (kh, vh) = (read_f32(k, "k")?, read_f32(v, "v")?);
@@ -143,7 +162,7 @@ fn encode_body<'py>(
             kh.shape, vh.shape
         )));
     }
-    let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
+    let spec = body_spec(d, k_bits, v_bits, k_body, v_body)?;
     let bytes = py
         .detach(|| {
             records::encode_records(&spec, &config, &kh.values, &vh.values, rotated, threads)
@@ -154,7 +173,7 @@ fn encode_body<'py>(
 
 /// Decodes records into float32 K and V outputs of shape `[..., 128, head_dim]`.
 #[pyfunction]
-#[pyo3(signature = (blob, k_out, v_out, k_bits, v_bits, rotated=false, threads=None))]
+#[pyo3(signature = (blob, k_out, v_out, k_bits, v_bits, rotated=false, threads=None, k_body="scalar", v_body="scalar"))]
 #[allow(clippy::too_many_arguments)]
 fn decode_body_into(
     py: Python<'_>,
@@ -165,6 +184,8 @@ fn decode_body_into(
     v_bits: u32,
     rotated: bool,
     threads: Option<usize>,
+    k_body: &str,
+    v_body: &str,
 ) -> PyResult<()> {
     with_f32_out(k_out, "k_out", |k, k_shape| {
         let d = check_tiles(k_shape, "k_out")?;
@@ -176,7 +197,7 @@ fn decode_body_into(
             if !k.is_empty() && k_range.start < v_range.end && v_range.start < k_range.end {
                 return Err(CodecError::new_err("k_out and v_out must not share memory"));
             }
-            let spec = BodySpec::new(d, k_bits, v_bits).map_err(err)?;
+            let spec = body_spec(d, k_bits, v_bits, k_body, v_body)?;
             py.detach(|| records::decode_records(&spec, blob, k, v, rotated, threads))
                 .map_err(err)
         })
@@ -191,6 +212,35 @@ fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
         py.detach(|| sjkvarn::hadamard::rotate_rows(values, d))
             .map_err(err)
     })
+}
+
+/// Trellis-codes each last-dimension row of `x` as one tail-biting run (shipped codebook).
+#[pyfunction]
+#[pyo3(signature = (x, bits, threads=None))]
+fn encode_trellis<'py>(py: Python<'py>, x: &Bound<'py, PyAny>, bits: u32, threads: Option<usize>) -> PyResult<Bound<'py, PyBytes>> {
+    let host = read_f32(x, "x")?;
+    let run = host.shape.last().copied().unwrap_or(0);
+    let bytes = py
+        .detach(|| sjkvarn::trellis::encode_runs(bits, &host.values, run, threads))
+        .map_err(err)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Decodes trellis runs into `out` (float32; its last dimension is the run length).
+#[pyfunction]
+#[pyo3(signature = (blob, out, bits, threads=None))]
+fn decode_trellis_into(py: Python<'_>, blob: &[u8], out: &Bound<'_, PyAny>, bits: u32, threads: Option<usize>) -> PyResult<()> {
+    with_f32_out(out, "out", |values, shape| {
+        let run = shape.last().copied().unwrap_or(0);
+        py.detach(|| sjkvarn::trellis::decode_runs(bits, blob, run, values, threads)).map_err(err)
+    })
+}
+
+/// The shipped trellis codebook for `bits` as little-endian float32 bytes.
+#[pyfunction]
+fn trellis_codebook<'py>(py: Python<'py>, bits: u32) -> PyResult<Bound<'py, PyBytes>> {
+    let cb = sjkvarn::trellis::shipped(bits).map_err(err)?;
+    Ok(PyBytes::new(py, &cb.to_le_bytes()))
 }
 
 /// Copies any supported CPU float tensor to row-major float32 bytes and its shape.
@@ -216,5 +266,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_body_into, m)?)?;
     m.add_function(wrap_pyfunction!(rotate_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(to_float32, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_trellis, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_trellis_into, m)?)?;
+    m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
     Ok(())
 }

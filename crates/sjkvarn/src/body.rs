@@ -9,13 +9,19 @@
 //!
 //! Sub-record for a rotation width `R` (the whole head up to 256; each half of a 512 head):
 //! `[K codes R*G*kb/8][V codes G*R*vb/8][a_K R][z_K R][s_K G][a_V G][z_V G][s_V R]` (fp16 LE),
-//! K codes channel-major (each channel's 128 tokens in a row), V codes token-major, LSB-first.
 //! Metadata is `(2R+G)*2 + (R+2G)*2` bytes per sub-record.
+//!
+//! Scalar codes are the integers `q` (K channel-major, V token-major). Trellis codes are
+//! tail-biting trellis runs (see [`crate::trellis`]) stored run after run; `q` is then the
+//! codebook value of the run position. On the token axis (default) a run is one channel's 128
+//! tokens, for K and for V; on the channel axis a run is one token's `R` channels. After coding,
+//! each row's `a` and `z` are refit by least squares to the decoded values.
 
 use crate::balance::{balance, BalanceConfig};
 use crate::bitpack;
 use crate::error::{check_finite, CodecError, Result};
 use crate::hadamard::{rotate_rows, rotation_size};
+use crate::trellis::{self, Viterbi};
 use half::f16;
 
 /// Tokens per sealed group.
@@ -24,12 +30,54 @@ pub const GROUP: usize = 128;
 /// Bit widths the scalar body supports.
 pub const BODY_BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
 
-/// Geometry of a body record: head size and K/V bit widths.
+/// Which axis a trellis run follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrellisAxis {
+    /// Each channel's 128 tokens form one run (default).
+    Token,
+    /// Each token's `R` channels form one run.
+    Channel,
+}
+
+/// How one side (K or V) of a record is coded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyCoding {
+    Scalar,
+    Trellis(TrellisAxis),
+}
+
+/// Geometry of a body record: head size, K/V bit widths and K/V coding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodySpec {
     pub head_dim: usize,
     pub k_bits: u32,
     pub v_bits: u32,
+    pub k_coding: BodyCoding,
+    pub v_coding: BodyCoding,
+}
+
+/// How the codes of one tile are laid out (tile rows x cols, rows carry `a` and `z`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TileLayout {
+    /// Integer codes, row-major.
+    Scalar,
+    /// One trellis run per row.
+    RunsAlongRows,
+    /// One trellis run per column.
+    RunsAlongCols,
+}
+
+impl TileLayout {
+    /// K tiles have channels as rows; V tiles have tokens as rows.
+    fn of(coding: BodyCoding, is_key: bool) -> Self {
+        match (coding, is_key) {
+            (BodyCoding::Scalar, _) => TileLayout::Scalar,
+            (BodyCoding::Trellis(TrellisAxis::Token), true) => TileLayout::RunsAlongRows,
+            (BodyCoding::Trellis(TrellisAxis::Token), false) => TileLayout::RunsAlongCols,
+            (BodyCoding::Trellis(TrellisAxis::Channel), true) => TileLayout::RunsAlongCols,
+            (BodyCoding::Trellis(TrellisAxis::Channel), false) => TileLayout::RunsAlongRows,
+        }
+    }
 }
 
 fn check_bits(bits: u32) -> Result<()> {
@@ -53,7 +101,19 @@ impl BodySpec {
             head_dim,
             k_bits,
             v_bits,
+            k_coding: BodyCoding::Scalar,
+            v_coding: BodyCoding::Scalar,
         })
+    }
+
+    /// The same geometry with K and V coded as given (trellis needs 2, 3 or 4 bits).
+    pub fn with_coding(self, k_coding: BodyCoding, v_coding: BodyCoding) -> Result<Self> {
+        for (coding, bits) in [(k_coding, self.k_bits), (v_coding, self.v_bits)] {
+            if coding != BodyCoding::Scalar {
+                trellis::shipped(bits)?;
+            }
+        }
+        Ok(Self { k_coding, v_coding, ..self })
     }
 
     /// Rotation (and balancing) width `R`.
@@ -99,57 +159,158 @@ impl BodySpec {
     }
 }
 
-/// Codes (row-major) and the fp16 step `a` and offset `z` of every row.
-struct RoundedRows<'a> {
-    codes: &'a mut [u8],
+/// The fp16 step `a` and offset `z` of every row of a coded tile.
+struct RowAffine {
     a: Vec<f16>,
     z: Vec<f16>,
 }
 
-/// Per-row asymmetric min/max rounding of a row-major `rows x cols` tile divided by the column
-/// scales `col_scale`.
-fn round_rows<'a>(
-    tile: &[f32],
-    cols: usize,
-    col_scale: &[f32],
-    bits: u32,
-    codes: &'a mut [u8],
-) -> Result<RoundedRows<'a>> {
-    let rows = tile.len() / cols;
+fn affine_to_f16(a: f32, z: f32) -> Result<(f16, f16)> {
+    let (a16, z16) = (f16::from_f32(a), f16::from_f32(z));
+    if !a16.is_finite() || !z16.is_finite() {
+        return Err(CodecError::ScaleOverflow {
+            what: "body row scale",
+            value: if a16.is_finite() { z } else { a },
+        });
+    }
+    Ok((a16, z16))
+}
+
+/// Per-row asymmetric min/max rounding of `x` (rows x cols, already divided by the column
+/// scales); integer codes row-major.
+fn round_rows(x: &[f32], cols: usize, bits: u32, codes: &mut [u8]) -> Result<RowAffine> {
+    let rows = x.len() / cols;
     let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
     let top = ((1u32 << bits) - 1) as f32;
-    let inv: Vec<f32> = col_scale.iter().map(|s| 1.0 / s).collect();
-    let mut row = vec![0.0f32; cols];
-    for i in 0..rows {
-        for j in 0..cols {
-            row[j] = tile[i * cols + j] * inv[j];
-        }
+    for (i, row) in x.chunks_exact(cols).enumerate() {
         let (lo, hi) = row
             .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
-        let a = f16::from_f32((hi - lo) / top);
-        let z = f16::from_f32(lo);
-        if !a.is_finite() || !z.is_finite() {
-            return Err(CodecError::ScaleOverflow {
-                what: "body row scale",
-                value: if a.is_finite() { lo } else { (hi - lo) / top },
-            });
-        }
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let (a, z) = affine_to_f16((hi - lo) / top, lo)?;
         let (af, zf) = (a.to_f32(), z.to_f32());
         let inv_a = if af > 0.0 { 1.0 / af } else { 0.0 };
-        for j in 0..cols {
-            codes[i * cols + j] = ((row[j] - zf) * inv_a).round().clamp(0.0, top) as u8;
+        for (c, &v) in codes[i * cols..(i + 1) * cols].iter_mut().zip(row) {
+            *c = ((v - zf) * inv_a).round().clamp(0.0, top) as u8;
         }
         a_out[i] = a;
         z_out[i] = z;
     }
-    Ok(RoundedRows {
-        codes,
-        a: a_out,
-        z: z_out,
-    })
+    Ok(RowAffine { a: a_out, z: z_out })
+}
+
+/// `(row, col)` of step `t` of run `run` in a trellis layout.
+fn run_position(layout: TileLayout, run: usize, t: usize) -> (usize, usize) {
+    match layout {
+        TileLayout::RunsAlongCols => (t, run),
+        _ => (run, t),
+    }
+}
+
+/// Trellis-codes `x` (rows x cols, already divided by the column scales): each row is
+/// standardised, runs are coded with the shipped codebook, then each row's `a` and `z` are
+/// refit by least squares to the decoded values. Writes packed run-major codes.
+fn trellis_rows(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &mut [u8]) -> Result<RowAffine> {
+    let cb = trellis::shipped(bits)?;
+    let rows = x.len() / cols;
+    // Standardise each row (population mean and spread).
+    let mut stats = Vec::with_capacity(rows);
+    let mut unit = vec![0.0f32; x.len()];
+    for (i, row) in x.chunks_exact(cols).enumerate() {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / cols as f64;
+        let inv = if var > 0.0 { 1.0 / var.sqrt() } else { 0.0 };
+        for (u, &v) in unit[i * cols..(i + 1) * cols].iter_mut().zip(row) {
+            *u = ((v as f64 - mean) * inv) as f32;
+        }
+        stats.push(mean);
+    }
+    let (runs, len) = match layout {
+        TileLayout::RunsAlongCols => (cols, rows),
+        _ => (rows, cols),
+    };
+    let mut viterbi = Viterbi::new();
+    let mut run = vec![0.0f32; len];
+    let mut codes = vec![0u8; len];
+    let mut decoded_run = vec![0.0f32; len];
+    let mut decoded = vec![0.0f32; x.len()];
+    let mut all_codes = vec![0u8; x.len()];
+    for r in 0..runs {
+        for (t, v) in run.iter_mut().enumerate() {
+            let (i, j) = run_position(layout, r, t);
+            *v = unit[i * cols + j];
+        }
+        viterbi.encode_codes(cb, &run, &mut codes);
+        trellis::decode_codes(cb, &codes, &mut decoded_run);
+        for t in 0..len {
+            let (i, j) = run_position(layout, r, t);
+            decoded[i * cols + j] = decoded_run[t];
+        }
+        all_codes[r * len..(r + 1) * len].copy_from_slice(&codes);
+    }
+    bitpack::pack(&all_codes, bits, packed);
+    // Least-squares refit of each row: x ~ a * c + z.
+    let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
+    for i in 0..rows {
+        let (xs, cs) = (&x[i * cols..(i + 1) * cols], &decoded[i * cols..(i + 1) * cols]);
+        let n = cols as f64;
+        let c_mean = cs.iter().map(|&c| c as f64).sum::<f64>() / n;
+        let (mut cov, mut var) = (0.0f64, 0.0f64);
+        for (&xv, &cv) in xs.iter().zip(cs) {
+            let dc = cv as f64 - c_mean;
+            cov += dc * (xv as f64 - stats[i]);
+            var += dc * dc;
+        }
+        let a = if var > 0.0 { cov / var } else { 0.0 };
+        let a16 = f16::from_f32(a as f32).to_f32() as f64;
+        let (a16, z16) = affine_to_f16(a as f32, (stats[i] - a16 * c_mean) as f32)?;
+        a_out[i] = a16;
+        z_out[i] = z16;
+    }
+    Ok(RowAffine { a: a_out, z: z_out })
+}
+
+/// Codes one tile (`x` already divided by the column scales) into `packed`.
+fn encode_tile(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &mut [u8]) -> Result<RowAffine> {
+    match layout {
+        TileLayout::Scalar => {
+            let mut codes = vec![0u8; x.len()];
+            let affine = round_rows(x, cols, bits, &mut codes)?;
+            bitpack::pack(&codes, bits, packed);
+            Ok(affine)
+        }
+        _ => trellis_rows(x, cols, bits, layout, packed),
+    }
+}
+
+/// The per-position unit values of a coded tile (integer codes, or codebook values), row-major.
+fn decode_tile_units(packed: &[u8], rows: usize, cols: usize, bits: u32, layout: TileLayout) -> Result<Vec<f32>> {
+    let mut codes = vec![0u8; rows * cols];
+    bitpack::unpack(packed, bits, &mut codes);
+    if layout == TileLayout::Scalar {
+        return Ok(codes.iter().map(|&c| c as f32).collect());
+    }
+    let cb = trellis::shipped(bits)?;
+    let (runs, len) = match layout {
+        TileLayout::RunsAlongCols => (cols, rows),
+        _ => (rows, cols),
+    };
+    let mut units = vec![0.0f32; rows * cols];
+    let mut run = vec![0.0f32; len];
+    for r in 0..runs {
+        trellis::decode_codes(cb, &codes[r * len..(r + 1) * len], &mut run);
+        for (t, &v) in run.iter().enumerate() {
+            let (i, j) = run_position(layout, r, t);
+            units[i * cols + j] = v;
+        }
+    }
+    Ok(units)
+}
+
+fn divide_columns(tile: &[f32], cols: usize, col_scale: &[f16]) -> Vec<f32> {
+    let inv: Vec<f32> = col_scale.iter().map(|s| 1.0 / s.to_f32()).collect();
+    tile.chunks_exact(cols)
+        .flat_map(|row| row.iter().zip(&inv).map(|(v, i)| v * i))
+        .collect()
 }
 
 /// Column scales of a balanced tile, rounded to fp16 (always positive and finite: the column
@@ -212,7 +373,6 @@ impl BodySpec {
         let sub = self.sub_record_bytes();
         let mut k_tile = vec![0.0f32; r * GROUP]; // [channel][token]
         let mut v_tile = vec![0.0f32; GROUP * r]; // [token][channel]
-        let mut codes = vec![0u8; r * GROUP];
         for (half, rec) in out.chunks_exact_mut(sub).enumerate() {
             let c0 = half * r;
             for t in 0..GROUP {
@@ -226,17 +386,15 @@ impl BodySpec {
 
             // K: rows = channels, columns = tokens; stored column scales are per token.
             let s_k = column_scales(&k_tile, r, GROUP, config);
-            let s_k32: Vec<f32> = s_k.iter().map(|s| s.to_f32()).collect();
-            let rk = round_rows(&k_tile, GROUP, &s_k32, self.k_bits, &mut codes)?;
-            bitpack::pack(rk.codes, self.k_bits, k_codes);
-            let (a_k, z_k) = (rk.a, rk.z);
+            let xk = divide_columns(&k_tile, GROUP, &s_k);
+            let k_layout = TileLayout::of(self.k_coding, true);
+            let RowAffine { a: a_k, z: z_k } = encode_tile(&xk, GROUP, self.k_bits, k_layout, k_codes)?;
 
             // V: rows = tokens, columns = channels; stored column scales are per channel.
             let s_v = column_scales(&v_tile, GROUP, r, config);
-            let s_v32: Vec<f32> = s_v.iter().map(|s| s.to_f32()).collect();
-            let rv = round_rows(&v_tile, r, &s_v32, self.v_bits, &mut codes)?;
-            bitpack::pack(rv.codes, self.v_bits, v_codes);
-            let (a_v, z_v) = (rv.a, rv.z);
+            let xv = divide_columns(&v_tile, r, &s_v);
+            let v_layout = TileLayout::of(self.v_coding, false);
+            let RowAffine { a: a_v, z: z_v } = encode_tile(&xv, r, self.v_bits, v_layout, v_codes)?;
 
             let mut at = 0;
             for part in [&a_k, &z_k, &s_k, &a_v, &z_v, &s_v] {
@@ -267,7 +425,7 @@ impl BodySpec {
         }
         let (r, d) = (self.width(), self.head_dim);
         let sub = self.sub_record_bytes();
-        let mut codes = vec![0u8; r * GROUP];
+        let (k_layout, v_layout) = (TileLayout::of(self.k_coding, true), TileLayout::of(self.v_coding, false));
         for (half, rec) in record.chunks_exact(sub).enumerate() {
             let c0 = half * r;
             let (k_codes, rest) = rec.split_at(self.k_code_bytes());
@@ -280,16 +438,16 @@ impl BodySpec {
             let z_v = read_f32s(&m[2 * GROUP..], GROUP);
             let s_v = read_f32s(&m[4 * GROUP..], r);
 
-            bitpack::unpack(k_codes, self.k_bits, &mut codes);
+            let qk = decode_tile_units(k_codes, r, GROUP, self.k_bits, k_layout)?;
             for c in 0..r {
                 for t in 0..GROUP {
-                    k[t * d + c0 + c] = (codes[c * GROUP + t] as f32 * a_k[c] + z_k[c]) * s_k[t];
+                    k[t * d + c0 + c] = (qk[c * GROUP + t] * a_k[c] + z_k[c]) * s_k[t];
                 }
             }
-            bitpack::unpack(v_codes, self.v_bits, &mut codes);
+            let qv = decode_tile_units(v_codes, GROUP, r, self.v_bits, v_layout)?;
             for t in 0..GROUP {
                 for c in 0..r {
-                    v[t * d + c0 + c] = (codes[t * r + c] as f32 * a_v[t] + z_v[t]) * s_v[c];
+                    v[t * d + c0 + c] = (qv[t * r + c] * a_v[t] + z_v[t]) * s_v[c];
                 }
             }
         }

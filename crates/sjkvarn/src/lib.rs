@@ -15,6 +15,9 @@ pub mod hadamard;
 pub mod lloyd_max;
 mod lloyd_max_tables;
 pub mod records;
+pub mod rng;
+pub mod trellis;
+pub mod trellis_train;
 pub mod tq;
 
 pub use balance::{BalanceConfig, BalanceMode, BalanceStat};
