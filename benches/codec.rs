@@ -5,7 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sjkvarn::body::GROUP;
-use sjkvarn::{format, BalanceConfig, BlockFormat, BodySpec};
+use sjkvarn::trellis::{self, Viterbi};
+use sjkvarn::{bitpack, format, BalanceConfig, BlockFormat, BodySpec};
 use std::hint::black_box;
 
 /// Deterministic Gaussian-like values (Irwin-Hall, 4 uniforms) without extra crates.
@@ -73,5 +74,42 @@ fn body_seal(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, flat_formats, body_seal);
+/// Trellis coding of one K tile along the token axis: `D` runs of 128 (one tile per iteration),
+/// and decoding throughput in values/s, on one thread.
+fn trellis_runs(c: &mut Criterion) {
+    let mut group = c.benchmark_group("trellis");
+    for bits in [2u32, 3] {
+        let cb = trellis::shipped(bits).unwrap();
+        for d in [64usize, 256] {
+            let x = values(GROUP * d, 4);
+            let rb = bitpack::packed_len(GROUP, bits);
+            let mut packed = vec![0u8; d * rb];
+            let mut v = Viterbi::new();
+            group.throughput(Throughput::Elements(1));
+            group.bench_function(
+                BenchmarkId::new("encode_tile", format!("128x{d}_{bits}bit")),
+                |b| {
+                    b.iter(|| {
+                        for (run, out) in x.chunks_exact(GROUP).zip(packed.chunks_exact_mut(rb)) {
+                            v.encode_packed(cb, black_box(run), out);
+                        }
+                    })
+                },
+            );
+        }
+        let runs = 4096;
+        let x = values(GROUP * runs, 5);
+        let packed = trellis::encode_runs(bits, &x, GROUP, None).unwrap();
+        let mut out = vec![0f32; x.len()];
+        group.throughput(Throughput::Elements(x.len() as u64));
+        group.bench_function(BenchmarkId::new("decode", format!("{bits}bit")), |b| {
+            b.iter(|| {
+                trellis::decode_runs(bits, black_box(&packed), GROUP, &mut out, Some(1)).unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, flat_formats, body_seal, trellis_runs);
 criterion_main!(benches);

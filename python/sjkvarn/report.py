@@ -13,6 +13,7 @@ import numpy as np
 from sjkvarn import codec
 
 BODY_BITS = (2, 3, 4, 5, 6, 8)
+TRELLIS_BITS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,18 @@ def error_table(dists: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[ErrorRo
         }
         rows.append(ErrorRow(fmt, info.bits_per_value, errors))
     head_dim = next(iter(dists.values()))[0].shape[-1]
-    for bits in BODY_BITS:
+    arms = [(bits, "scalar") for bits in BODY_BITS] + [(b, "trellis") for b in TRELLIS_BITS]
+    for bits, body in arms:
         layout = codec.body_layout(head_dim, bits, bits)
+        kw = dict(k_bits=bits, v_bits=bits, k_body=body, v_body=body)
         k_err, v_err = {}, {}
         for name, (k, v) in dists.items():
-            blob = codec.encode_body(k, v, k_bits=bits, v_bits=bits)
-            kk, vv = codec.decode_body(blob, head_dim=head_dim, k_bits=bits, v_bits=bits)
+            blob = codec.encode_body(k, v, **kw)
+            kk, vv = codec.decode_body(blob, head_dim=head_dim, **kw)
             k_err[name], v_err[name] = nmse(k, kk), nmse(v, vv)
-        rows.append(ErrorRow(f"body {bits}-bit K", layout.bits_per_value, k_err))
-        rows.append(ErrorRow(f"body {bits}-bit V", layout.bits_per_value, v_err))
+        tag = f"{bits}-bit" if body == "scalar" else f"{bits}t"
+        rows.append(ErrorRow(f"body {tag} K", layout.bits_per_value, k_err))
+        rows.append(ErrorRow(f"body {tag} V", layout.bits_per_value, v_err))
     return rows
 
 

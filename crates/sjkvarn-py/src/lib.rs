@@ -89,9 +89,17 @@ fn coding(name: &str) -> PyResult<BodyCoding> {
     }
 }
 
-fn body_spec(head_dim: usize, k_bits: u32, v_bits: u32, k_body: &str, v_body: &str) -> PyResult<BodySpec> {
+fn body_spec(
+    head_dim: usize,
+    k_bits: u32,
+    v_bits: u32,
+    k_body: &str,
+    v_body: &str,
+) -> PyResult<BodySpec> {
     let (k, v) = (coding(k_body)?, coding(v_body)?);
-    BodySpec::new(head_dim, k_bits, v_bits).and_then(|s| s.with_coding(k, v)).map_err(err)
+    BodySpec::new(head_dim, k_bits, v_bits)
+        .and_then(|s| s.with_coding(k, v))
+        .map_err(err)
 }
 
 fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
@@ -217,7 +225,12 @@ fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
 /// Trellis-codes each last-dimension row of `x` as one tail-biting run (shipped codebook).
 #[pyfunction]
 #[pyo3(signature = (x, bits, threads=None))]
-fn encode_trellis<'py>(py: Python<'py>, x: &Bound<'py, PyAny>, bits: u32, threads: Option<usize>) -> PyResult<Bound<'py, PyBytes>> {
+fn encode_trellis<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    bits: u32,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyBytes>> {
     let host = read_f32(x, "x")?;
     let run = host.shape.last().copied().unwrap_or(0);
     let bytes = py
@@ -229,10 +242,17 @@ fn encode_trellis<'py>(py: Python<'py>, x: &Bound<'py, PyAny>, bits: u32, thread
 /// Decodes trellis runs into `out` (float32; its last dimension is the run length).
 #[pyfunction]
 #[pyo3(signature = (blob, out, bits, threads=None))]
-fn decode_trellis_into(py: Python<'_>, blob: &[u8], out: &Bound<'_, PyAny>, bits: u32, threads: Option<usize>) -> PyResult<()> {
+fn decode_trellis_into(
+    py: Python<'_>,
+    blob: &[u8],
+    out: &Bound<'_, PyAny>,
+    bits: u32,
+    threads: Option<usize>,
+) -> PyResult<()> {
     with_f32_out(out, "out", |values, shape| {
         let run = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::trellis::decode_runs(bits, blob, run, values, threads)).map_err(err)
+        py.detach(|| sjkvarn::trellis::decode_runs(bits, blob, run, values, threads))
+            .map_err(err)
     })
 }
 

@@ -113,7 +113,11 @@ impl BodySpec {
                 trellis::shipped(bits)?;
             }
         }
-        Ok(Self { k_coding, v_coding, ..self })
+        Ok(Self {
+            k_coding,
+            v_coding,
+            ..self
+        })
     }
 
     /// Rotation (and balancing) width `R`.
@@ -185,7 +189,9 @@ fn round_rows(x: &[f32], cols: usize, bits: u32, codes: &mut [u8]) -> Result<Row
     for (i, row) in x.chunks_exact(cols).enumerate() {
         let (lo, hi) = row
             .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                (lo.min(v), hi.max(v))
+            });
         let (a, z) = affine_to_f16((hi - lo) / top, lo)?;
         let (af, zf) = (a.to_f32(), z.to_f32());
         let inv_a = if af > 0.0 { 1.0 / af } else { 0.0 };
@@ -209,7 +215,13 @@ fn run_position(layout: TileLayout, run: usize, t: usize) -> (usize, usize) {
 /// Trellis-codes `x` (rows x cols, already divided by the column scales): each row is
 /// standardised, runs are coded with the shipped codebook, then each row's `a` and `z` are
 /// refit by least squares to the decoded values. Writes packed run-major codes.
-fn trellis_rows(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &mut [u8]) -> Result<RowAffine> {
+fn trellis_rows(
+    x: &[f32],
+    cols: usize,
+    bits: u32,
+    layout: TileLayout,
+    packed: &mut [u8],
+) -> Result<RowAffine> {
     let cb = trellis::shipped(bits)?;
     let rows = x.len() / cols;
     // Standardise each row (population mean and spread).
@@ -241,9 +253,9 @@ fn trellis_rows(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &
         }
         viterbi.encode_codes(cb, &run, &mut codes);
         trellis::decode_codes(cb, &codes, &mut decoded_run);
-        for t in 0..len {
+        for (t, &value) in decoded_run.iter().enumerate() {
             let (i, j) = run_position(layout, r, t);
-            decoded[i * cols + j] = decoded_run[t];
+            decoded[i * cols + j] = value;
         }
         all_codes[r * len..(r + 1) * len].copy_from_slice(&codes);
     }
@@ -251,7 +263,10 @@ fn trellis_rows(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &
     // Least-squares refit of each row: x ~ a * c + z.
     let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
     for i in 0..rows {
-        let (xs, cs) = (&x[i * cols..(i + 1) * cols], &decoded[i * cols..(i + 1) * cols]);
+        let (xs, cs) = (
+            &x[i * cols..(i + 1) * cols],
+            &decoded[i * cols..(i + 1) * cols],
+        );
         let n = cols as f64;
         let c_mean = cs.iter().map(|&c| c as f64).sum::<f64>() / n;
         let (mut cov, mut var) = (0.0f64, 0.0f64);
@@ -270,7 +285,13 @@ fn trellis_rows(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &
 }
 
 /// Codes one tile (`x` already divided by the column scales) into `packed`.
-fn encode_tile(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &mut [u8]) -> Result<RowAffine> {
+fn encode_tile(
+    x: &[f32],
+    cols: usize,
+    bits: u32,
+    layout: TileLayout,
+    packed: &mut [u8],
+) -> Result<RowAffine> {
     match layout {
         TileLayout::Scalar => {
             let mut codes = vec![0u8; x.len()];
@@ -283,7 +304,13 @@ fn encode_tile(x: &[f32], cols: usize, bits: u32, layout: TileLayout, packed: &m
 }
 
 /// The per-position unit values of a coded tile (integer codes, or codebook values), row-major.
-fn decode_tile_units(packed: &[u8], rows: usize, cols: usize, bits: u32, layout: TileLayout) -> Result<Vec<f32>> {
+fn decode_tile_units(
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    layout: TileLayout,
+) -> Result<Vec<f32>> {
     let mut codes = vec![0u8; rows * cols];
     bitpack::unpack(packed, bits, &mut codes);
     if layout == TileLayout::Scalar {
@@ -388,7 +415,8 @@ impl BodySpec {
             let s_k = column_scales(&k_tile, r, GROUP, config);
             let xk = divide_columns(&k_tile, GROUP, &s_k);
             let k_layout = TileLayout::of(self.k_coding, true);
-            let RowAffine { a: a_k, z: z_k } = encode_tile(&xk, GROUP, self.k_bits, k_layout, k_codes)?;
+            let RowAffine { a: a_k, z: z_k } =
+                encode_tile(&xk, GROUP, self.k_bits, k_layout, k_codes)?;
 
             // V: rows = tokens, columns = channels; stored column scales are per channel.
             let s_v = column_scales(&v_tile, GROUP, r, config);
@@ -425,7 +453,10 @@ impl BodySpec {
         }
         let (r, d) = (self.width(), self.head_dim);
         let sub = self.sub_record_bytes();
-        let (k_layout, v_layout) = (TileLayout::of(self.k_coding, true), TileLayout::of(self.v_coding, false));
+        let (k_layout, v_layout) = (
+            TileLayout::of(self.k_coding, true),
+            TileLayout::of(self.v_coding, false),
+        );
         for (half, rec) in record.chunks_exact(sub).enumerate() {
             let c0 = half * r;
             let (k_codes, rest) = rec.split_at(self.k_code_bytes());
@@ -549,5 +580,42 @@ mod tests {
             assert_eq!(k, tile);
             assert_eq!(v, tile);
         }
+    }
+
+    #[test]
+    fn trellis_records_have_scalar_size_and_lower_error() {
+        let mut r = crate::rng::SplitMix64::new(17);
+        let (k, v) = (r.gaussians(GROUP * 64), r.gaussians(GROUP * 64));
+        let cfg = BalanceConfig::default();
+        let err =
+            |a: &[f32], b: &[f32]| -> f32 { a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum() };
+        for axis in [TrellisAxis::Token, TrellisAxis::Channel] {
+            for bits in [2, 3] {
+                let scalar = BodySpec::new(64, bits, bits).unwrap();
+                let coded = scalar
+                    .with_coding(BodyCoding::Trellis(axis), BodyCoding::Trellis(axis))
+                    .unwrap();
+                assert_eq!(coded.record_bytes(), scalar.record_bytes());
+                let (mut rs, mut rt) = (
+                    vec![0u8; scalar.record_bytes()],
+                    vec![0u8; coded.record_bytes()],
+                );
+                scalar.encode_rotated(&k, &v, &cfg, &mut rs).unwrap();
+                coded.encode_rotated(&k, &v, &cfg, &mut rt).unwrap();
+                let (mut ks, mut vs) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+                let (mut kt, mut vt) = (vec![0.0; k.len()], vec![0.0; v.len()]);
+                scalar.decode_rotated(&rs, &mut ks, &mut vs).unwrap();
+                coded.decode_rotated(&rt, &mut kt, &mut vt).unwrap();
+                assert!(err(&k, &kt) < 0.8 * err(&k, &ks), "{axis:?} {bits}-bit K");
+                assert!(err(&v, &vt) < 0.8 * err(&v, &vs), "{axis:?} {bits}-bit V");
+            }
+        }
+        let spec = BodySpec::new(64, 5, 4).unwrap();
+        assert!(spec
+            .with_coding(BodyCoding::Trellis(TrellisAxis::Token), BodyCoding::Scalar)
+            .is_err());
+        assert!(spec
+            .with_coding(BodyCoding::Scalar, BodyCoding::Trellis(TrellisAxis::Token))
+            .is_ok());
     }
 }

@@ -16,9 +16,9 @@ pub mod lloyd_max;
 mod lloyd_max_tables;
 pub mod records;
 pub mod rng;
+pub mod tq;
 pub mod trellis;
 pub mod trellis_train;
-pub mod tq;
 
 pub use balance::{BalanceConfig, BalanceMode, BalanceStat};
 pub use body::{BodySpec, GROUP};

@@ -10,7 +10,10 @@ pub struct SplitMix64 {
 
 impl SplitMix64 {
     pub fn new(seed: u64) -> Self {
-        Self { state: seed, spare: None }
+        Self {
+            state: seed,
+            spare: None,
+        }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -54,7 +57,10 @@ mod tests {
         let x: Vec<f64> = (0..200_000).map(|_| r.gaussian()).collect();
         let mean = x.iter().sum::<f64>() / x.len() as f64;
         let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / x.len() as f64;
-        assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.01, "{mean} {var}");
+        assert!(
+            mean.abs() < 0.01 && (var - 1.0).abs() < 0.01,
+            "{mean} {var}"
+        );
         assert_eq!(SplitMix64::new(7).next_u64(), SplitMix64::new(7).next_u64());
     }
 }

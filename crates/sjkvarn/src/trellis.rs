@@ -61,9 +61,19 @@ impl Codebook {
     /// Parses the shipped little-endian f32 file format.
     pub fn from_le_bytes(bits: u32, bytes: &[u8]) -> Result<Self> {
         if bytes.len() % 4 != 0 {
-            return Err(CodecError::NotBlockMultiple { what: "codebook bytes", len: bytes.len(), block: 4 });
+            return Err(CodecError::NotBlockMultiple {
+                what: "codebook bytes",
+                len: bytes.len(),
+                block: 4,
+            });
         }
-        Self::new(bits, bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Self::new(
+            bits,
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
     }
 
     pub fn to_le_bytes(&self) -> Vec<u8> {
@@ -88,8 +98,11 @@ impl Codebook {
     }
 }
 
-static SHIPPED: [std::sync::OnceLock<Codebook>; 3] =
-    [std::sync::OnceLock::new(), std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+static SHIPPED: [std::sync::OnceLock<Codebook>; 3] = [
+    std::sync::OnceLock::new(),
+    std::sync::OnceLock::new(),
+    std::sync::OnceLock::new(),
+];
 
 /// The shipped codebook for 2, 3 or 4 bits (trained by `sjkvarn-train-trellis`).
 pub fn shipped(bits: u32) -> Result<&'static Codebook> {
@@ -171,13 +184,18 @@ fn relax<const FAN: usize>(
 ) {
     let low = STATES / FAN;
     for h in 0..FAN {
-        let (from, from_origin) = (&metric[h * low..(h + 1) * low], &origin[h * low..(h + 1) * low]);
+        let (from, from_origin) = (
+            &metric[h * low..(h + 1) * low],
+            &origin[h * low..(h + 1) * low],
+        );
         let (mut spread, mut spread_origin) = ([0.0f32; STATES], [0u32; STATES]);
         for s in 0..STATES {
             spread[s] = from[s / FAN];
             spread_origin[s] = from_origin[s / FAN];
         }
-        let d: &[f32; STATES] = dist[h * STATES..(h + 1) * STATES].try_into().expect("64 entries");
+        let d: &[f32; STATES] = dist[h * STATES..(h + 1) * STATES]
+            .try_into()
+            .expect("64 entries");
         let hh = h as u32;
         for s in 0..STATES {
             // Bit masks instead of branches keep this loop vectorised.
@@ -200,12 +218,12 @@ pub struct Viterbi {
 }
 
 /// How the first state of a pass is constrained.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Start {
     Free,
     Fixed(usize),
     /// Wrap-around: start metrics carried over from a previous pass over the same run.
-    Carried([f32; STATES]),
+    Carried(Box<[f32; STATES]>),
 }
 
 struct Pass {
@@ -230,7 +248,7 @@ impl Viterbi {
             Start::Fixed(s) => metric[s] = 0.0,
             Start::Carried(m) => {
                 let floor = m.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-                for (dst, src) in metric.iter_mut().zip(m) {
+                for (dst, src) in metric.iter_mut().zip(m.iter()) {
                     *dst = src - floor;
                 }
             }
@@ -244,19 +262,32 @@ impl Viterbi {
             let mut best = [f32::INFINITY; STATES];
             let mut pick = [0u32; STATES];
             let mut best_origin = [0u32; STATES];
-            let args = (&metric, &origin, &self.dist[..], &mut best, &mut pick, &mut best_origin);
+            let args = (
+                &metric,
+                &origin,
+                &self.dist[..],
+                &mut best,
+                &mut pick,
+                &mut best_origin,
+            );
             match fan {
                 4 => relax::<4>(args.0, args.1, args.2, args.3, args.4, args.5),
                 8 => relax::<8>(args.0, args.1, args.2, args.3, args.4, args.5),
                 _ => relax::<16>(args.0, args.1, args.2, args.3, args.4, args.5),
             }
             origin = best_origin;
-            for (c, &p) in self.choice[t * STATES..(t + 1) * STATES].iter_mut().zip(&pick) {
+            for (c, &p) in self.choice[t * STATES..(t + 1) * STATES]
+                .iter_mut()
+                .zip(&pick)
+            {
                 *c = p as u8;
             }
             metric = best;
         }
-        Pass { metric, origin: origin.map(|o| o as u8) }
+        Pass {
+            metric,
+            origin: origin.map(|o| o as u8),
+        }
     }
 
     /// Follows the survivors back from `end`, writing the codes.
@@ -287,7 +318,7 @@ impl Viterbi {
         }
         // Second lap with the first lap's end metrics as start metrics (wrap-around Viterbi);
         // keep the best survivor that ends where it started.
-        let lap = self.pass(cb, x, Start::Carried(free.metric));
+        let lap = self.pass(cb, x, Start::Carried(Box::new(free.metric)));
         let mut best: Option<usize> = None;
         for s in 0..STATES {
             if lap.origin[s] as usize == s && best.is_none_or(|b| lap.metric[s] < lap.metric[b]) {
@@ -343,46 +374,74 @@ pub fn run_bytes(bits: u32, len: usize) -> Result<usize> {
 }
 
 /// Encodes consecutive runs of `run_len` values with the shipped codebook, runs in parallel.
-pub fn encode_runs(bits: u32, values: &[f32], run_len: usize, threads: Option<usize>) -> Result<Vec<u8>> {
+pub fn encode_runs(
+    bits: u32,
+    values: &[f32],
+    run_len: usize,
+    threads: Option<usize>,
+) -> Result<Vec<u8>> {
     use rayon::prelude::*;
     let rb = run_bytes(bits, run_len)?;
     if values.len() % run_len != 0 {
-        return Err(CodecError::NotBlockMultiple { what: "trellis runs", len: values.len(), block: run_len });
+        return Err(CodecError::NotBlockMultiple {
+            what: "trellis runs",
+            len: values.len(),
+            block: run_len,
+        });
     }
     crate::error::check_finite(values)?;
     let cb = shipped(bits)?;
     let mut out = vec![0u8; values.len() / run_len * rb];
     crate::format::with_threads(threads, || {
-        out.par_chunks_mut(rb * 64).zip(values.par_chunks(run_len * 64)).for_each(|(bytes, vals)| {
-            let mut v = Viterbi::new();
-            for (b, x) in bytes.chunks_exact_mut(rb).zip(vals.chunks_exact(run_len)) {
-                v.encode_packed(cb, x, b);
-            }
-        })
+        out.par_chunks_mut(rb * 64)
+            .zip(values.par_chunks(run_len * 64))
+            .for_each(|(bytes, vals)| {
+                let mut v = Viterbi::new();
+                for (b, x) in bytes.chunks_exact_mut(rb).zip(vals.chunks_exact(run_len)) {
+                    v.encode_packed(cb, x, b);
+                }
+            })
     })?;
     Ok(out)
 }
 
 /// Decodes runs of `run_len` values into `out` (whose length fixes the number of runs).
-pub fn decode_runs(bits: u32, packed: &[u8], run_len: usize, out: &mut [f32], threads: Option<usize>) -> Result<()> {
+pub fn decode_runs(
+    bits: u32,
+    packed: &[u8],
+    run_len: usize,
+    out: &mut [f32],
+    threads: Option<usize>,
+) -> Result<()> {
     use rayon::prelude::*;
     let rb = run_bytes(bits, run_len)?;
     if out.len() % run_len != 0 {
-        return Err(CodecError::NotBlockMultiple { what: "trellis output", len: out.len(), block: run_len });
+        return Err(CodecError::NotBlockMultiple {
+            what: "trellis output",
+            len: out.len(),
+            block: run_len,
+        });
     }
     let expected = out.len() / run_len * rb;
     if packed.len() != expected {
-        return Err(CodecError::LengthMismatch { what: "trellis bytes", expected, got: packed.len() });
+        return Err(CodecError::LengthMismatch {
+            what: "trellis bytes",
+            expected,
+            got: packed.len(),
+        });
     }
     let cb = shipped(bits)?;
     crate::format::with_threads(threads, || {
-        packed.par_chunks(rb * 64).zip(out.par_chunks_mut(run_len * 64)).for_each(|(bytes, vals)| {
-            let mut codes = vec![0u8; run_len];
-            for (b, y) in bytes.chunks_exact(rb).zip(vals.chunks_exact_mut(run_len)) {
-                bitpack::unpack(b, bits, &mut codes);
-                decode_codes(cb, &codes, y);
-            }
-        })
+        packed
+            .par_chunks(rb * 64)
+            .zip(out.par_chunks_mut(run_len * 64))
+            .for_each(|(bytes, vals)| {
+                let mut codes = vec![0u8; run_len];
+                for (b, y) in bytes.chunks_exact(rb).zip(vals.chunks_exact_mut(run_len)) {
+                    bitpack::unpack(b, bits, &mut codes);
+                    decode_codes(cb, &codes, y);
+                }
+            })
     })
 }
 
@@ -409,11 +468,14 @@ mod tests {
                 let mut y = vec![0.0; 128];
                 decode_codes(&cb, &codes, &mut y);
                 let direct: f32 = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum();
-                assert!((direct - err).abs() <= 1e-3 * direct.max(1.0), "{bits}: {direct} vs {err}");
+                assert!(
+                    (direct - err).abs() <= 1e-3 * direct.max(1.0),
+                    "{bits}: {direct} vs {err}"
+                );
                 let mut packed = vec![0u8; bitpack::packed_len(128, bits)];
                 bitpack::pack(&codes, bits, &mut packed);
-                for t in 0..128 {
-                    assert_eq!(value_at(&cb, &packed, 128, t), y[t]);
+                for (t, &expected) in y.iter().enumerate() {
+                    assert_eq!(value_at(&cb, &packed, 128, t), expected);
                 }
             }
         }
@@ -429,7 +491,7 @@ mod tests {
             let x = r.gaussians(4);
             let mut codes = vec![0u8; 4];
             let err = v.encode_codes_exact(&cb, &x, &mut codes);
-            let fast = v.encode_codes(&cb, &x, &mut vec![0u8; 4]);
+            let fast = v.encode_codes(&cb, &x, &mut [0u8; 4]);
             assert!(fast >= err * (1.0 - 1e-5));
             let mut best = f32::INFINITY;
             for word in 0..256u32 {
@@ -438,7 +500,10 @@ mod tests {
                 decode_codes(&cb, &c, &mut y);
                 best = best.min(x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum());
             }
-            assert!(err <= best * (1.0 + 1e-5) + 1e-6, "viterbi {err} vs optimum {best}");
+            assert!(
+                err <= best * (1.0 + 1e-5) + 1e-6,
+                "viterbi {err} vs optimum {best}"
+            );
         }
     }
 
@@ -457,7 +522,10 @@ mod tests {
             }
             println!("{bits}-bit: fast/exact = {:.5}", fast / exact);
             assert!(fast >= exact * (1.0 - 1e-6));
-            assert!(fast <= exact * 1.002, "{bits}-bit: fast {fast} vs exact {exact}");
+            assert!(
+                fast <= exact * 1.002,
+                "{bits}-bit: fast {fast} vs exact {exact}"
+            );
         }
     }
 
@@ -467,7 +535,10 @@ mod tests {
         assert!(Codebook::new(2, vec![0.0; 255]).is_err());
         let mut v = vec![0.0; 256];
         v[9] = f32::NAN;
-        assert!(matches!(Codebook::new(2, v), Err(CodecError::NonFinite { index: 9 })));
+        assert!(matches!(
+            Codebook::new(2, v),
+            Err(CodecError::NonFinite { index: 9 })
+        ));
         let cb = random_codebook(3, 1);
         assert_eq!(Codebook::from_le_bytes(3, &cb.to_le_bytes()).unwrap(), cb);
     }

@@ -84,7 +84,13 @@ pub fn lloyd_step(cb: &Codebook, data: &[f32], run_len: usize) -> (Codebook, f64
         err += e;
     }
     let values = (0..entries)
-        .map(|i| if count[i] > 0 { (sum[i] / count[i] as f64) as f32 } else { cb.values()[i] })
+        .map(|i| {
+            if count[i] > 0 {
+                (sum[i] / count[i] as f64) as f32
+            } else {
+                cb.values()[i]
+            }
+        })
         .collect();
     let next = Codebook::new(cb.bits(), values).expect("means of finite samples are finite");
     (next, err / data.len() as f64)
@@ -125,9 +131,16 @@ mod tests {
 
     #[test]
     fn training_is_deterministic_across_thread_counts_and_improves() {
-        let cfg = TrainConfig { bits: 2, seed: 3, runs: 256, run_len: 128, iterations: 3 };
+        let cfg = TrainConfig {
+            bits: 2,
+            seed: 3,
+            runs: 256,
+            run_len: 128,
+            iterations: 3,
+        };
         let mut first = Vec::new();
-        let one = crate::format::with_threads(Some(1), || train(&cfg, |_, e| first.push(e))).unwrap();
+        let one =
+            crate::format::with_threads(Some(1), || train(&cfg, |_, e| first.push(e))).unwrap();
         let two = crate::format::with_threads(Some(2), || train(&cfg, |_, _| {})).unwrap();
         assert_eq!(one.to_le_bytes(), two.to_le_bytes());
         assert!(first.windows(2).all(|w| w[1] < w[0]), "{first:?}");
@@ -140,8 +153,8 @@ mod tests {
         let codes: Vec<u8> = (0..128).map(|i| (i * 5 % 8) as u8).collect();
         let mut y = vec![0.0; 128];
         decode_codes(&cb, &codes, &mut y);
-        for t in 0..128 {
-            assert_eq!(cb.values()[index_of(&cb, &codes, t)], y[t]);
+        for (t, &expected) in y.iter().enumerate() {
+            assert_eq!(cb.values()[index_of(&cb, &codes, t)], expected);
         }
     }
 }

@@ -23,7 +23,11 @@ fn main() {
         let cfg = TrainConfig::shipped(b);
         let start = Instant::now();
         let cb = train(&cfg, |it, err| {
-            eprintln!("  {b}-bit iteration {:>2}/{}: training mse {err:.5}", it + 1, cfg.iterations)
+            eprintln!(
+                "  {b}-bit iteration {:>2}/{}: training mse {err:.5}",
+                it + 1,
+                cfg.iterations
+            )
         });
         let held_out = gaussian_runs(cfg.seed ^ 0xFFFF, 2048, cfg.run_len);
         let eval = mse(&cb, &held_out, cfg.run_len);
@@ -46,7 +50,9 @@ fn main() {
                     failed = true;
                 }
             }
-        } else if let Err(e) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &bytes)) {
+        } else if let Err(e) =
+            std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &bytes))
+        {
             eprintln!("cannot write {path}: {e}");
             failed = true;
         } else {
