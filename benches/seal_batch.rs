@@ -36,7 +36,11 @@ fn main() {
             .unwrap()
             .with_coding(kc, vc)
             .unwrap();
-        let threads_to_try: &[usize] = if kc == BodyCoding::Scalar { &[1, 2] } else { &[2] };
+        let threads_to_try: &[usize] = if kc == BodyCoding::Scalar {
+            &[1, 2]
+        } else {
+            &[2]
+        };
         for &threads in threads_to_try {
             let start = Instant::now();
             let out = encode_records(

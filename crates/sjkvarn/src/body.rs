@@ -56,6 +56,22 @@ pub struct BodySpec {
     pub v_coding: BodyCoding,
 }
 
+/// One half of a decoded record: unit values (integer codes or trellis codebook values) and
+/// the fp16 scales, as f32. See [`BodySpec::decode_half`].
+#[derive(Debug, Clone)]
+pub struct DecodedHalf {
+    /// `[R][G]`, channel-major.
+    pub k_units: Vec<f32>,
+    pub a_k: Vec<f32>,
+    pub z_k: Vec<f32>,
+    pub s_k: Vec<f32>,
+    /// `[G][R]`, token-major.
+    pub v_units: Vec<f32>,
+    pub a_v: Vec<f32>,
+    pub z_v: Vec<f32>,
+    pub s_v: Vec<f32>,
+}
+
 /// How the codes of one tile are laid out (tile rows x cols, rows carry `a` and `z`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TileLayout {
@@ -452,37 +468,67 @@ impl BodySpec {
             }
         }
         let (r, d) = (self.width(), self.head_dim);
-        let sub = self.sub_record_bytes();
-        let (k_layout, v_layout) = (
-            TileLayout::of(self.k_coding, true),
-            TileLayout::of(self.v_coding, false),
-        );
-        for (half, rec) in record.chunks_exact(sub).enumerate() {
+        for half in 0..self.halves() {
+            let h = self.decode_half(record, half)?;
             let c0 = half * r;
-            let (k_codes, rest) = rec.split_at(self.k_code_bytes());
-            let (v_codes, meta) = rest.split_at(self.v_code_bytes());
-            let a_k = read_f32s(meta, r);
-            let z_k = read_f32s(&meta[2 * r..], r);
-            let s_k = read_f32s(&meta[4 * r..], GROUP);
-            let m = &meta[(2 * r + GROUP) * 2..];
-            let a_v = read_f32s(m, GROUP);
-            let z_v = read_f32s(&m[2 * GROUP..], GROUP);
-            let s_v = read_f32s(&m[4 * GROUP..], r);
-
-            let qk = decode_tile_units(k_codes, r, GROUP, self.k_bits, k_layout)?;
             for c in 0..r {
                 for t in 0..GROUP {
-                    k[t * d + c0 + c] = (qk[c * GROUP + t] * a_k[c] + z_k[c]) * s_k[t];
+                    k[t * d + c0 + c] = (h.k_units[c * GROUP + t] * h.a_k[c] + h.z_k[c]) * h.s_k[t];
                 }
             }
-            let qv = decode_tile_units(v_codes, GROUP, r, self.v_bits, v_layout)?;
             for t in 0..GROUP {
                 for c in 0..r {
-                    v[t * d + c0 + c] = (qv[t * r + c] * a_v[t] + z_v[t]) * s_v[c];
+                    v[t * d + c0 + c] = (h.v_units[t * r + c] * h.a_v[t] + h.z_v[t]) * h.s_v[c];
                 }
             }
         }
         Ok(())
+    }
+
+    /// Number of independently balanced halves (2 for a 512-wide head, else 1).
+    pub fn half_count(&self) -> usize {
+        self.halves()
+    }
+
+    /// The codes and scales of one half of a record, in the absorbed-scale form attention uses:
+    /// `K[t, c] = (k_units[c*G + t] * a_k[c] + z_k[c]) * s_k[t]`,
+    /// `V[t, c] = (v_units[t*R + c] * a_v[t] + z_v[t]) * s_v[c]` (rotated frame, `c < R`).
+    pub fn decode_half(&self, record: &[u8], half: usize) -> Result<DecodedHalf> {
+        if record.len() != self.record_bytes() || half >= self.halves() {
+            return Err(CodecError::LengthMismatch {
+                what: "body record",
+                expected: self.record_bytes(),
+                got: record.len(),
+            });
+        }
+        let r = self.width();
+        let sub = self.sub_record_bytes();
+        let rec = &record[half * sub..(half + 1) * sub];
+        let (k_codes, rest) = rec.split_at(self.k_code_bytes());
+        let (v_codes, meta) = rest.split_at(self.v_code_bytes());
+        let m = &meta[(2 * r + GROUP) * 2..];
+        Ok(DecodedHalf {
+            k_units: decode_tile_units(
+                k_codes,
+                r,
+                GROUP,
+                self.k_bits,
+                TileLayout::of(self.k_coding, true),
+            )?,
+            a_k: read_f32s(meta, r),
+            z_k: read_f32s(&meta[2 * r..], r),
+            s_k: read_f32s(&meta[4 * r..], GROUP),
+            v_units: decode_tile_units(
+                v_codes,
+                GROUP,
+                r,
+                self.v_bits,
+                TileLayout::of(self.v_coding, false),
+            )?,
+            a_v: read_f32s(m, GROUP),
+            z_v: read_f32s(&m[2 * GROUP..], GROUP),
+            s_v: read_f32s(&m[4 * GROUP..], r),
+        })
     }
 
     /// Encodes from K and V in the model's frame: rotates copies, then [`Self::encode_rotated`].

@@ -8,6 +8,7 @@
 pub mod balance;
 pub mod bitpack;
 pub mod body;
+pub mod cache;
 pub mod error;
 pub mod format;
 pub mod ggml;

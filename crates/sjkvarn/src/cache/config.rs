@@ -1,0 +1,181 @@
+//! Cache configuration and its validation.
+
+use super::{CacheError, CacheResult};
+use crate::balance::BalanceConfig;
+use crate::body::{BodyCoding, BodySpec, GROUP};
+
+/// Tokens kept in fp16 at the start of every sequence.
+pub const SINK: usize = 128;
+
+/// Bits and coding of one layer's body records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerCoding {
+    pub k_bits: u32,
+    pub v_bits: u32,
+    pub k_coding: BodyCoding,
+    pub v_coding: BodyCoding,
+}
+
+impl LayerCoding {
+    pub fn scalar(k_bits: u32, v_bits: u32) -> Self {
+        Self {
+            k_bits,
+            v_bits,
+            k_coding: BodyCoding::Scalar,
+            v_coding: BodyCoding::Scalar,
+        }
+    }
+}
+
+/// How staged (unsealed) ring rows are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// Rotated, per-128 norm, 64 Lloyd-Max centroids: 6.125 bits/value (default).
+    Tq6,
+    /// llama.cpp q8_0 on rotated values: 8.5 bits/value.
+    Q8_0,
+    /// fp16 in the model's frame: exact for fp16 inputs.
+    F16,
+}
+
+impl Staging {
+    pub fn name(self) -> &'static str {
+        match self {
+            Staging::Tq6 => "tq6_0",
+            Staging::Q8_0 => "q8_0",
+            Staging::F16 => "f16",
+        }
+    }
+
+    pub fn from_name(name: &str) -> CacheResult<Self> {
+        match name {
+            "tq6_0" => Ok(Staging::Tq6),
+            "q8_0" => Ok(Staging::Q8_0),
+            "f16" | "fp16" => Ok(Staging::F16),
+            _ => Err(CacheError::InvalidConfig(format!(
+                "staging must be 'tq6_0', 'q8_0' or 'f16', got '{name}'"
+            ))),
+        }
+    }
+}
+
+/// Everything a cache needs to know; validated by [`CacheConfig::validate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    pub layers: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// One entry per layer (tiered edge layers use different bits).
+    pub layer_coding: Vec<LayerCoding>,
+    /// Unsealed tokens kept after a seal.
+    pub min_tail: usize,
+    /// Unsealed tokens that trigger a seal.
+    pub max_tail: usize,
+    /// Largest number of tokens written between seal checks.
+    pub max_chunk: usize,
+    /// Largest sequence length.
+    pub max_tokens: usize,
+    pub balance: BalanceConfig,
+    pub staging: Staging,
+}
+
+impl CacheConfig {
+    /// A uniform configuration with the SJ-KVaRN defaults (4,096/8,192 tail, 16 `final` passes,
+    /// `tq6_0` staging).
+    pub fn uniform(
+        layers: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        coding: LayerCoding,
+        max_tokens: usize,
+    ) -> Self {
+        Self {
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            layer_coding: vec![coding; layers],
+            min_tail: 4096,
+            max_tail: 8192,
+            max_chunk: 512,
+            max_tokens,
+            balance: BalanceConfig::default(),
+            staging: Staging::Tq6,
+        }
+    }
+
+    /// Checks every field; the error names the first problem.
+    pub fn validate(&self) -> CacheResult<()> {
+        let bad = |m: String| Err(CacheError::InvalidConfig(m));
+        if self.layers == 0 || self.kv_heads == 0 || self.q_heads == 0 {
+            return bad("layers, q_heads and kv_heads must be at least 1".into());
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return bad(format!(
+                "q_heads ({}) must be a multiple of kv_heads ({})",
+                self.q_heads, self.kv_heads
+            ));
+        }
+        if self.layer_coding.len() != self.layers {
+            return bad(format!(
+                "layer_coding has {} entries for {} layers",
+                self.layer_coding.len(),
+                self.layers
+            ));
+        }
+        for (i, lc) in self.layer_coding.iter().enumerate() {
+            self.body_spec_for(lc)
+                .map_err(|e| CacheError::InvalidConfig(format!("layer {i}: {e}")))?;
+        }
+        if self.max_tail < self.min_tail + GROUP {
+            return bad(format!(
+                "max_tail ({}) must be at least min_tail ({}) + {GROUP}",
+                self.max_tail, self.min_tail
+            ));
+        }
+        if self.max_chunk == 0 || self.max_tokens == 0 {
+            return bad("max_chunk and max_tokens must be at least 1".into());
+        }
+        self.balance
+            .validate()
+            .map_err(|e| CacheError::InvalidConfig(e.to_string()))?;
+        Ok(())
+    }
+
+    fn body_spec_for(&self, lc: &LayerCoding) -> crate::Result<BodySpec> {
+        BodySpec::new(self.head_dim, lc.k_bits, lc.v_bits)?.with_coding(lc.k_coding, lc.v_coding)
+    }
+
+    /// The body record geometry of `layer` (call after `validate`).
+    pub fn body_spec(&self, layer: usize) -> BodySpec {
+        self.body_spec_for(&self.layer_coding[layer])
+            .expect("validated configuration")
+    }
+
+    /// Query heads per KV head.
+    pub fn group_size(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+
+    /// Ring rows allocated per layer: `max_tail + G + 2 * max_chunk`, capped by what a sequence
+    /// of `max_tokens` can ever stage.
+    pub fn ring_rows(&self) -> usize {
+        (self.max_tail + GROUP + 2 * self.max_chunk)
+            .min(self.max_tokens.saturating_sub(SINK).max(1))
+    }
+
+    /// Bytes of one pool slot: all KV heads' records of one layer and group (largest layer).
+    pub fn slot_bytes(&self) -> usize {
+        (0..self.layers)
+            .map(|l| self.kv_heads * self.body_spec(l).record_bytes())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Pool slots one sequence of `max_tokens` can fill.
+    pub fn slots_per_sequence(&self) -> usize {
+        self.layers * self.max_tokens.saturating_sub(SINK).div_ceil(GROUP)
+    }
+}

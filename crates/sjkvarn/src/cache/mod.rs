@@ -1,0 +1,67 @@
+//! The journaled KV cache: a 128-token fp16 sink, a staging ring of recent tokens, and sealed
+//! 128-token body records in a record pool shared by many sequences.
+//!
+//! * [`config`]: geometry, per-layer coding, tail sizes, staging precision; validated.
+//! * [`pool`]: fixed-size, reference-counted record slots shared across sequences.
+//! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16).
+//! * [`sequence`]: one sequence's journal per layer: append, seal, truncate, fork, accounting.
+//! * [`attention`]: one-pass CPU attention over sink, body and ring.
+//! * [`snapshot`]: versioned, checksummed save and load.
+
+pub mod attention;
+pub mod config;
+pub mod pool;
+pub mod sequence;
+pub mod snapshot;
+pub mod staging;
+
+pub use config::{CacheConfig, LayerCoding, Staging, SINK};
+pub use pool::RecordPool;
+pub use sequence::{MemoryReport, Sequence};
+
+/// Errors of the cache layer.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CacheError {
+    #[error("invalid cache configuration: {0}")]
+    InvalidConfig(String),
+
+    #[error("layer {layer} does not exist (the cache has {layers} layers)")]
+    LayerOutOfRange { layer: usize, layers: usize },
+
+    #[error("{what}: expected shape {expected}, got {got}")]
+    Shape {
+        what: &'static str,
+        expected: String,
+        got: String,
+    },
+
+    #[error("appending {adding} tokens to {len} would exceed max_tokens = {max}")]
+    TooLong {
+        len: usize,
+        adding: usize,
+        max: usize,
+    },
+
+    #[error("position {position} is out of range: the layer holds {len} tokens")]
+    Position { position: usize, len: usize },
+
+    #[error(
+        "record pool exhausted: this call needs {needed} free slots, {free} of {capacity} are free"
+    )]
+    PoolExhausted {
+        needed: usize,
+        free: usize,
+        capacity: usize,
+    },
+
+    #[error("{0}")]
+    Codec(#[from] crate::CodecError),
+
+    #[error("snapshot refused: {0}")]
+    Snapshot(String),
+
+    #[error("snapshot i/o: {0}")]
+    Io(String),
+}
+
+pub type CacheResult<T> = std::result::Result<T, CacheError>;

@@ -1,0 +1,486 @@
+//! One sequence's journal: per layer a fp16 sink, a staging ring and a block table of sealed
+//! records in the shared pool.
+//!
+//! Positions `0..128` are the sink. Group `g` covers `[128 + 128g, 256 + 128g)`. Unsealed tokens
+//! after the sink live in the ring. Before an append would take the unsealed span past
+//! `max_tail`, every complete group older than the newest `min_tail` tokens is sealed in one
+//! batch; long appends are split so this check runs between chunks. Every call validates and
+//! reserves what it needs before it changes anything, so a failed call leaves the cache as it was.
+
+use super::config::{CacheConfig, SINK};
+use super::pool::{RecordPool, SlotId};
+use super::staging::RowCodec;
+use super::{CacheError, CacheResult};
+use crate::body::GROUP;
+use crate::error::check_finite;
+use crate::hadamard::rotate_rows;
+use half::f16;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// One layer's journal.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerJournal {
+    /// Tokens appended.
+    pub(crate) len: usize,
+    /// Sealed groups (each is one slot in `blocks`).
+    pub(crate) sealed: usize,
+    /// `[SINK][kv_heads][D]`, model frame.
+    pub(crate) sink_k: Vec<f16>,
+    pub(crate) sink_v: Vec<f16>,
+    /// `[ring_rows][kv_heads][K, V][row_bytes]`.
+    pub(crate) ring: Vec<u8>,
+    pub(crate) blocks: Vec<SlotId>,
+}
+
+impl LayerJournal {
+    /// First position held by the ring.
+    pub(crate) fn ring_start(&self) -> usize {
+        SINK + GROUP * self.sealed
+    }
+
+    fn unsealed(&self) -> usize {
+        self.len.saturating_sub(self.ring_start())
+    }
+}
+
+/// Bytes allocated and bits occupied, by region.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryReport {
+    pub sink_bytes: usize,
+    pub ring_bytes: usize,
+    /// Pool bytes referenced by this sequence's block tables (shared slots count in full).
+    pub body_bytes: usize,
+    pub tokens: usize,
+    pub sealed_tokens: usize,
+    pub ring_tokens: usize,
+    pub sink_tokens: usize,
+    /// Occupied bits per cached value: `(body + ring + 16-bit sink) / values`.
+    pub effective_bits: f64,
+}
+
+/// A sequence: one journal per layer, sealed records in a shared pool.
+#[derive(Debug)]
+pub struct Sequence {
+    pub(crate) config: Arc<CacheConfig>,
+    pub(crate) pool: Arc<RecordPool>,
+    pub(crate) rows: RowCodec,
+    pub(crate) layers: Vec<LayerJournal>,
+}
+
+impl Drop for Sequence {
+    fn drop(&mut self) {
+        for l in &self.layers {
+            self.pool.release(&l.blocks);
+        }
+    }
+}
+
+/// Sealed groups the journal rule gives a sequence of `len` tokens appended from empty: seals
+/// run when the unsealed span is `max_tail` and one more token arrives. The journal state is a
+/// function of the token history alone, which is what makes truncation exact.
+pub fn sealed_groups_at(config: &CacheConfig, len: usize) -> usize {
+    let mut sealed = 0usize;
+    loop {
+        let trigger = SINK + GROUP * sealed + config.max_tail;
+        if trigger >= len {
+            return sealed;
+        }
+        sealed = sealed.max((trigger - config.min_tail - SINK) / GROUP);
+    }
+}
+
+/// The group index a seal at length `len` seals up to (exclusive).
+fn seal_target(config: &CacheConfig, len: usize, sealed: usize) -> usize {
+    sealed.max(len.saturating_sub(config.min_tail + SINK) / GROUP)
+}
+
+impl Sequence {
+    /// A new, empty sequence whose sealed records go to `pool`.
+    pub fn new(config: Arc<CacheConfig>, pool: Arc<RecordPool>) -> CacheResult<Self> {
+        config.validate()?;
+        if pool.slot_bytes() < config.slot_bytes() {
+            return Err(CacheError::InvalidConfig(format!(
+                "pool slots of {} bytes are smaller than this configuration's {} bytes",
+                pool.slot_bytes(),
+                config.slot_bytes()
+            )));
+        }
+        let rows = RowCodec::new(config.staging, config.head_dim);
+        let per_pos = config.kv_heads * config.head_dim;
+        let ring = config.ring_rows() * config.kv_heads * 2 * rows.row_bytes();
+        let layer = LayerJournal {
+            len: 0,
+            sealed: 0,
+            sink_k: vec![f16::ZERO; SINK * per_pos],
+            sink_v: vec![f16::ZERO; SINK * per_pos],
+            ring: vec![0u8; ring],
+            blocks: Vec::new(),
+        };
+        Ok(Self {
+            layers: vec![layer; config.layers],
+            config,
+            pool,
+            rows,
+        })
+    }
+
+    /// A new pool sized for `sequences` sequences of this configuration at `max_tokens`.
+    pub fn pool_for(config: &CacheConfig, sequences: usize) -> Arc<RecordPool> {
+        RecordPool::new(
+            config.slot_bytes(),
+            config.slots_per_sequence() * sequences.max(1),
+        )
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &Arc<RecordPool> {
+        &self.pool
+    }
+
+    pub(crate) fn layer(&self, layer: usize) -> CacheResult<&LayerJournal> {
+        self.layers.get(layer).ok_or(CacheError::LayerOutOfRange {
+            layer,
+            layers: self.config.layers,
+        })
+    }
+
+    /// Tokens held by `layer`.
+    pub fn len(&self, layer: usize) -> CacheResult<usize> {
+        Ok(self.layer(layer)?.len)
+    }
+
+    /// Sealed groups of `layer`.
+    pub fn sealed_groups(&self, layer: usize) -> CacheResult<usize> {
+        Ok(self.layer(layer)?.sealed)
+    }
+
+    /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
+    pub fn regions(&self, layer: usize) -> CacheResult<[std::ops::Range<usize>; 3]> {
+        let l = self.layer(layer)?;
+        let sink_end = l.len.min(SINK);
+        let body_end = if l.len <= SINK {
+            sink_end
+        } else {
+            l.ring_start()
+        };
+        Ok([0..sink_end, sink_end..body_end, body_end..l.len])
+    }
+
+    /// How many tokens the next append to `layer` can take with no seal inside it (a seal may
+    /// still run at its start). Chunks of at most this size replay exactly like token-by-token
+    /// decoding.
+    pub fn chunk_limit(&self, layer: usize) -> CacheResult<usize> {
+        let l = self.layer(layer)?;
+        let sealed = if l.unsealed() + 1 > self.config.max_tail {
+            seal_target(&self.config, l.len, l.sealed)
+        } else {
+            l.sealed
+        };
+        let unsealed = l.len.saturating_sub(SINK + GROUP * sealed);
+        let sink_room = SINK.saturating_sub(l.len);
+        Ok((self.config.max_tail - unsealed + sink_room)
+            .min(self.config.max_chunk)
+            .min(self.config.max_tokens - l.len))
+    }
+
+    fn ring_index(&self, pos: usize) -> usize {
+        (pos - SINK) % self.config.ring_rows()
+    }
+
+    fn ring_row_range(&self, pos: usize, head: usize, value: bool) -> std::ops::Range<usize> {
+        let rb = self.rows.row_bytes();
+        let start =
+            ((self.ring_index(pos) * self.config.kv_heads + head) * 2 + value as usize) * rb;
+        start..start + rb
+    }
+
+    /// Decodes ring row `pos` of `head` (K or V) into `out`, in the staging frame.
+    pub(crate) fn ring_row(
+        &self,
+        layer: &LayerJournal,
+        pos: usize,
+        head: usize,
+        value: bool,
+        out: &mut [f32],
+    ) {
+        self.rows
+            .decode(&layer.ring[self.ring_row_range(pos, head, value)], out);
+    }
+
+    /// Appends `n` tokens of post-RoPE K and V (`[n][kv_heads][head_dim]`, model frame) to
+    /// `layer`, sealing as the journal rule says. On error nothing changes.
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> CacheResult<()> {
+        let cfg = self.config.clone();
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let per_tok = h * d;
+        let l = self.layer(layer)?;
+        if k.len() % per_tok != 0 || v.len() != k.len() {
+            return Err(CacheError::Shape {
+                what: "append k/v",
+                expected: format!("[tokens, {h}, {d}] for both"),
+                got: format!("{} and {} values", k.len(), v.len()),
+            });
+        }
+        let n = k.len() / per_tok;
+        if l.len + n > cfg.max_tokens {
+            return Err(CacheError::TooLong {
+                len: l.len,
+                adding: n,
+                max: cfg.max_tokens,
+            });
+        }
+        check_finite(k)?;
+        check_finite(v)?;
+        let start = l.len;
+
+        // 1. Stage every row first (the only codec step that can reject the input).
+        let rb = self.rows.row_bytes();
+        let mut sink_k = Vec::new();
+        let mut sink_v = Vec::new();
+        let ring_tokens = (start + n).saturating_sub(SINK.max(start));
+        let mut staged = vec![0u8; ring_tokens * h * 2 * rb];
+        let mut rot = vec![0.0f32; d];
+        for t in 0..n {
+            let pos = start + t;
+            for head in 0..h {
+                for (value, src) in [(false, k), (true, v)] {
+                    let x = &src[(t * h + head) * d..(t * h + head + 1) * d];
+                    if pos < SINK {
+                        let dst = if value { &mut sink_v } else { &mut sink_k };
+                        for &xv in x {
+                            let hv = f16::from_f32(xv);
+                            if !hv.is_finite() {
+                                return Err(crate::CodecError::ScaleOverflow {
+                                    what: "fp16 sink",
+                                    value: xv,
+                                }
+                                .into());
+                            }
+                            dst.push(hv);
+                        }
+                    } else {
+                        rot.copy_from_slice(x);
+                        if self.rows.rotated() {
+                            rotate_rows(&mut rot, d)?;
+                        }
+                        let row = ((pos - SINK.max(start)) * h + head) * 2 + value as usize;
+                        self.rows
+                            .encode(&rot, &mut staged[row * rb..(row + 1) * rb])?;
+                    }
+                }
+            }
+        }
+
+        // 2. Plan the chunks and seals; reserve every slot they need up front.
+        let mut plan = Vec::new(); // (tokens in chunk, seal target before it)
+        let (mut len, mut sealed) = (start, l.sealed);
+        while len < start + n {
+            let unsealed = len.saturating_sub(SINK + GROUP * sealed);
+            let sink_room = SINK.saturating_sub(len);
+            let mut take = (start + n - len).min(cfg.max_chunk);
+            let mut target = sealed;
+            if take > sink_room && unsealed + (take - sink_room) > cfg.max_tail {
+                target = seal_target(&cfg, len, sealed);
+                let after = len.saturating_sub(SINK + GROUP * target);
+                take = take.min(cfg.max_tail - after + sink_room).max(1);
+            }
+            plan.push((take, target));
+            sealed = target;
+            len += take;
+        }
+        let needed = sealed - l.sealed;
+        let mut slots = self.pool.reserve(needed)?.into_iter();
+
+        // 3. Execute: seals (infallible after the checks above, barring a codec overflow that
+        //    staged values cannot produce) then ring writes.
+        let mut written = 0usize;
+        for (take, target) in plan {
+            let from = self.layers[layer].sealed;
+            if target > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
+                if let Err(e) = self.seal_groups(layer, from, target, &ids) {
+                    self.pool.release(&ids);
+                    self.pool.release(&slots.collect::<Vec<_>>());
+                    return Err(e);
+                }
+            }
+            for t in written..written + take {
+                let pos = start + t;
+                let lj = &mut self.layers[layer];
+                if pos < SINK {
+                    let at = pos * per_tok;
+                    let src = t * per_tok;
+                    lj.sink_k[at..at + per_tok].copy_from_slice(&sink_k[src..src + per_tok]);
+                    lj.sink_v[at..at + per_tok].copy_from_slice(&sink_v[src..src + per_tok]);
+                } else {
+                    let r = pos - SINK.max(start);
+                    for head in 0..h {
+                        for value in [false, true] {
+                            let row = (r * h + head) * 2 + value as usize;
+                            let dst = self.ring_row_range(pos, head, value);
+                            let lj = &mut self.layers[layer];
+                            lj.ring[dst].copy_from_slice(&staged[row * rb..(row + 1) * rb]);
+                        }
+                    }
+                }
+                self.layers[layer].len = pos + 1;
+            }
+            written += take;
+        }
+        Ok(())
+    }
+
+    /// Seals groups `from..to` of `layer` into `slots` (already reserved, one per group).
+    fn seal_groups(
+        &mut self,
+        layer: usize,
+        from: usize,
+        to: usize,
+        slots: &[SlotId],
+    ) -> CacheResult<()> {
+        let cfg = self.config.clone();
+        let spec = cfg.body_spec(layer);
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let rb = spec.record_bytes();
+        let lj = &self.layers[layer];
+        let this = &*self;
+        let records: Vec<CacheResult<Vec<u8>>> = (from..to)
+            .into_par_iter()
+            .map(|g| {
+                let mut slot = vec![0u8; h * rb];
+                let (mut kt, mut vt) = (vec![0.0f32; GROUP * d], vec![0.0f32; GROUP * d]);
+                for head in 0..h {
+                    for t in 0..GROUP {
+                        let pos = SINK + g * GROUP + t;
+                        this.ring_row(lj, pos, head, false, &mut kt[t * d..(t + 1) * d]);
+                        this.ring_row(lj, pos, head, true, &mut vt[t * d..(t + 1) * d]);
+                    }
+                    if !this.rows.rotated() {
+                        rotate_rows(&mut kt, d)?;
+                        rotate_rows(&mut vt, d)?;
+                    }
+                    spec.encode_rotated(
+                        &kt,
+                        &vt,
+                        &cfg.balance,
+                        &mut slot[head * rb..(head + 1) * rb],
+                    )?;
+                }
+                Ok(slot)
+            })
+            .collect();
+        let mut filled = Vec::with_capacity(records.len());
+        for r in records {
+            filled.push(r?);
+        }
+        for (bytes, &id) in filled.into_iter().zip(slots) {
+            self.pool.fill(id, Arc::from(bytes));
+        }
+        let lj = &mut self.layers[layer];
+        lj.blocks.extend_from_slice(slots);
+        lj.sealed = to;
+        Ok(())
+    }
+
+    /// Seals every layer back to `min_tail` unsealed tokens (between requests).
+    pub fn seal_idle(&mut self) -> CacheResult<()> {
+        let needed: usize = self
+            .layers
+            .iter()
+            .map(|l| seal_target(&self.config, l.len, l.sealed) - l.sealed)
+            .sum();
+        let mut slots = self.pool.reserve(needed)?.into_iter();
+        for layer in 0..self.layers.len() {
+            let (from, len) = (self.layers[layer].sealed, self.layers[layer].len);
+            let to = seal_target(&self.config, len, from);
+            if to > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
+                if let Err(e) = self.seal_groups(layer, from, to, &ids) {
+                    self.pool.release(&ids);
+                    self.pool.release(&slots.collect::<Vec<_>>());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the first `n` tokens of every layer and returns `reprocess_from`: the position
+    /// from which the caller must append K/V again (`n` when nothing sealed had to go).
+    ///
+    /// The result is exactly the state a sequence of `n` tokens has, so re-appending gives the
+    /// same bytes as never having appended the removed tokens. It is free when no seal ran after
+    /// position `n` (rejected speculative tokens in the ring); otherwise the groups the seal
+    /// rule would not yet have sealed are dropped and `reprocess_from` is the first one's start.
+    pub fn truncate(&mut self, n: usize) -> CacheResult<usize> {
+        let keep = sealed_groups_at(&self.config, n);
+        let mut reprocess = n;
+        for l in self.layers.iter_mut() {
+            if n >= l.len {
+                continue;
+            }
+            if keep < l.sealed {
+                let dropped: Vec<SlotId> = l.blocks.split_off(keep);
+                self.pool.release(&dropped);
+                l.sealed = keep;
+                l.len = n.min(SINK + GROUP * keep);
+            } else {
+                l.len = n;
+            }
+            reprocess = reprocess.min(l.len);
+        }
+        Ok(reprocess)
+    }
+
+    /// A child sequence sharing this one's sealed records (reference counted) and owning copies
+    /// of its sink and ring.
+    pub fn fork(&self) -> Sequence {
+        for l in &self.layers {
+            self.pool.retain(&l.blocks);
+        }
+        Sequence {
+            config: self.config.clone(),
+            pool: self.pool.clone(),
+            rows: self.rows,
+            layers: self.layers.clone(),
+        }
+    }
+
+    /// Allocated bytes per region and occupied effective bits per value.
+    pub fn memory(&self) -> MemoryReport {
+        let cfg = &self.config;
+        let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
+        let sink_bytes = cfg.layers * SINK * per_pos_values * 2;
+        let ring_bytes = self.layers.iter().map(|l| l.ring.len()).sum();
+        let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
+        let (mut bits, mut values) = (0.0f64, 0.0f64);
+        let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
+        for (i, l) in self.layers.iter().enumerate() {
+            let spec = cfg.body_spec(i);
+            let sink = l.len.min(SINK);
+            let body = l.sealed * GROUP;
+            let ring = l.len - sink - body;
+            bits += sink as f64 * 16.0
+                + body as f64 * spec.bits_per_value()
+                + ring as f64 * self.rows.bits_per_value();
+            values += l.len as f64;
+            sealed_tokens += body;
+            ring_tokens += ring;
+            sink_tokens += sink;
+        }
+        MemoryReport {
+            sink_bytes,
+            ring_bytes,
+            body_bytes: slots * self.pool.slot_bytes(),
+            tokens: self.layers.first().map_or(0, |l| l.len),
+            sealed_tokens,
+            ring_tokens,
+            sink_tokens,
+            effective_bits: if values > 0.0 { bits / values } else { 0.0 },
+        }
+    }
+}

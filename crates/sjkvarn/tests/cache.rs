@@ -1,0 +1,426 @@
+//! Journal behaviour: exactness, the seal rule, chunked replay, truncation, snapshots, pool
+//! exhaustion and concurrent use.
+
+use proptest::prelude::*;
+use sjkvarn::body::{BodyCoding, TrellisAxis};
+use sjkvarn::cache::attention::attend;
+use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, Sequence, Staging, SINK};
+use sjkvarn::rng::SplitMix64;
+use std::sync::Arc;
+
+const D: usize = 64;
+
+fn small_config(staging: Staging, coding: LayerCoding) -> CacheConfig {
+    let mut c = CacheConfig::uniform(2, 4, 2, D, coding, 2048);
+    c.min_tail = 128;
+    c.max_tail = 384;
+    c.max_chunk = 96;
+    c.staging = staging;
+    c
+}
+
+fn trellis(k: u32, v: u32) -> LayerCoding {
+    let t = BodyCoding::Trellis(TrellisAxis::Token);
+    LayerCoding {
+        k_bits: k,
+        v_bits: v,
+        k_coding: t,
+        v_coding: t,
+    }
+}
+
+fn kv(rng: &mut SplitMix64, tokens: usize, heads: usize) -> Vec<f32> {
+    // fp16-representable values, so fp16 regions are exact
+    rng.gaussians(tokens * heads * D)
+        .into_iter()
+        .map(|x| half::f16::from_f32(x).to_f32())
+        .collect()
+}
+
+fn new_seq(cfg: CacheConfig) -> Sequence {
+    let pool = Sequence::pool_for(&cfg, 4);
+    Sequence::new(Arc::new(cfg), pool).unwrap()
+}
+
+/// Straightforward f64 causal attention with GQA over full K/V `[len][kv][D]`.
+fn reference(k: &[f32], v: &[f32], q: &[f32], len: usize, qh: usize, kvh: usize) -> Vec<f32> {
+    let n = q.len() / (qh * D);
+    let mut out = vec![0.0f32; q.len()];
+    for i in 0..n {
+        let pos = len - n + i;
+        for head in 0..qh {
+            let h = head / (qh / kvh);
+            let qv = &q[(i * qh + head) * D..(i * qh + head + 1) * D];
+            let logits: Vec<f64> = (0..=pos)
+                .map(|t| {
+                    let kr = &k[(t * kvh + h) * D..(t * kvh + h + 1) * D];
+                    qv.iter()
+                        .zip(kr)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        / (D as f64).sqrt()
+                })
+                .collect();
+            let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+            let s: f64 = w.iter().sum();
+            for c in 0..D {
+                let acc: f64 = (0..=pos)
+                    .map(|t| w[t] * v[(t * kvh + h) * D + c] as f64)
+                    .sum();
+                out[(i * qh + head) * D + c] = (acc / s) as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn exact_regions_match_reference_attention() {
+    let mut cfg = small_config(Staging::F16, LayerCoding::scalar(4, 4));
+    cfg.max_tail = 4096; // never seals: sink + fp16 ring only
+    let mut seq = new_seq(cfg);
+    let mut rng = SplitMix64::new(1);
+    let (k, v) = (kv(&mut rng, 300, 2), kv(&mut rng, 300, 2));
+    seq.append(0, &k[..200 * 2 * D], &v[..200 * 2 * D]).unwrap();
+    seq.append(0, &k[200 * 2 * D..], &v[200 * 2 * D..]).unwrap();
+    for n in [1usize, 7, 300] {
+        let q = rng.gaussians(n * 4 * D);
+        let got = attend(&seq, 0, &q, None).unwrap();
+        let want = reference(&k, &v, &q, 300, 4, 2);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+}
+
+/// Seal rule, simulated token by token: before adding a token, if the unsealed span is already
+/// max_tail, seal every complete group older than the newest min_tail tokens.
+fn expected_sealed(cfg: &CacheConfig, len: usize) -> usize {
+    let mut sealed = 0usize;
+    for l in 0..len {
+        let unsealed = l.saturating_sub(SINK + 128 * sealed);
+        if l >= SINK && unsealed + 1 > cfg.max_tail {
+            sealed = sealed.max(l.saturating_sub(cfg.min_tail + SINK) / 128);
+        }
+    }
+    sealed
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #[test]
+    fn regions_follow_the_seal_rule(sizes in proptest::collection::vec(1usize..200, 1..12)) {
+        let cfg = small_config(Staging::Tq6, LayerCoding::scalar(2, 2));
+        let mut seq = new_seq(cfg.clone());
+        let mut rng = SplitMix64::new(3);
+        let mut len = 0usize;
+        for n in sizes {
+            let n = n.min(cfg.max_tokens - len);
+            if n == 0 { break; }
+            // chunks no larger than the limit keep the per-token rule exact
+            let mut left = n;
+            while left > 0 {
+                let take = left.min(seq.chunk_limit(0).unwrap());
+                let (k, v) = (kv(&mut rng, take, 2), kv(&mut rng, take, 2));
+                seq.append(0, &k, &v).unwrap();
+                left -= take;
+                len += take;
+                prop_assert_eq!(seq.sealed_groups(0).unwrap(), expected_sealed(&cfg, len));
+                let [sink, body, ring] = seq.regions(0).unwrap();
+                prop_assert_eq!(sink.len() + body.len() + ring.len(), len);
+                prop_assert!(ring.len() <= cfg.max_tail);
+            }
+        }
+    }
+}
+
+#[test]
+fn chunked_replay_equals_token_by_token_bit_for_bit() {
+    for coding in [LayerCoding::scalar(3, 2), trellis(3, 2)] {
+        let cfg = small_config(Staging::Tq6, coding);
+        let total = 1100; // several seals at max_tail 384
+        let mut rng = SplitMix64::new(7);
+        let (k, v) = (kv(&mut rng, total, 2), kv(&mut rng, total, 2));
+        let q = rng.gaussians(total * 4 * D);
+        let row = |x: &[f32], a: usize, b: usize, w: usize| x[a * w..b * w].to_vec();
+
+        let mut one = new_seq(cfg.clone());
+        let mut by_token = Vec::new();
+        for t in 0..total {
+            one.append(1, &row(&k, t, t + 1, 2 * D), &row(&v, t, t + 1, 2 * D))
+                .unwrap();
+            by_token.extend(attend(&one, 1, &row(&q, t, t + 1, 4 * D), None).unwrap());
+        }
+        let mut chunked = new_seq(cfg.clone());
+        let mut out = Vec::new();
+        let mut t = 0;
+        while t < total {
+            let take = chunked.chunk_limit(1).unwrap().min(total - t).min(77);
+            chunked
+                .append(
+                    1,
+                    &row(&k, t, t + take, 2 * D),
+                    &row(&v, t, t + take, 2 * D),
+                )
+                .unwrap();
+            out.extend(attend(&chunked, 1, &row(&q, t, t + take, 4 * D), None).unwrap());
+            t += take;
+        }
+        assert!(one.sealed_groups(1).unwrap() >= 4);
+        assert_eq!(out.len(), by_token.len());
+        assert!(
+            out.iter()
+                .zip(&by_token)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{coding:?}"
+        );
+        assert!(one.snapshot_bytes() == chunked.snapshot_bytes());
+    }
+}
+
+#[test]
+fn truncate_then_reappend_equals_never_appending() {
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let mut rng = SplitMix64::new(11);
+    let (k, v) = (kv(&mut rng, 900, 2), kv(&mut rng, 900, 2));
+    let (k2, v2) = (kv(&mut rng, 400, 2), kv(&mut rng, 400, 2));
+    let w = 2 * D;
+    let append_all = |seq: &mut Sequence, k: &[f32], v: &[f32]| {
+        let mut t = 0;
+        let n = k.len() / w;
+        while t < n {
+            let take = seq.chunk_limit(0).unwrap().min(n - t);
+            seq.append(0, &k[t * w..(t + take) * w], &v[t * w..(t + take) * w])
+                .unwrap();
+            t += take;
+        }
+    };
+    for cut in [850usize, 600, 300, 100] {
+        let mut a = new_seq(cfg.clone());
+        append_all(&mut a, &k, &v);
+        let back = a.truncate(cut).unwrap();
+        assert!(back <= cut);
+        // re-append what truncation asked for, then the rejected continuation is gone
+        append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
+        append_all(&mut a, &k2, &v2);
+        let mut b = new_seq(cfg.clone());
+        append_all(&mut b, &k[..cut * w], &v[..cut * w]);
+        append_all(&mut b, &k2, &v2);
+        assert!(a.snapshot_bytes() == b.snapshot_bytes(), "cut at {cut}");
+    }
+    // rejecting the last tokens (no seal ran since) is free
+    let mut s = new_seq(cfg.clone());
+    append_all(&mut s, &k[..700 * w], &v[..700 * w]);
+    assert_eq!(s.truncate(697).unwrap(), 697);
+    assert_eq!(
+        s.sealed_groups(0).unwrap(),
+        sjkvarn::cache::sequence::sealed_groups_at(&cfg, 697)
+    );
+    for len in [0usize, 100, 511, 512, 513, 900, 2000] {
+        assert_eq!(
+            sjkvarn::cache::sequence::sealed_groups_at(&cfg, len),
+            expected_sealed(&cfg, len),
+            "{len}"
+        );
+    }
+}
+
+#[test]
+fn snapshots_round_trip_and_refuse_damage() {
+    let cfg = small_config(Staging::Q8_0, trellis(3, 3));
+    let mut seq = new_seq(cfg.clone());
+    let mut rng = SplitMix64::new(5);
+    for layer in 0..2 {
+        let mut t = 0;
+        while t < 700 {
+            let take = seq.chunk_limit(layer).unwrap().min(700 - t);
+            seq.append(layer, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+                .unwrap();
+            t += take;
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("sjkvarn-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("seq.sjkv");
+    seq.save(&path).unwrap();
+    let loaded = Sequence::load(&path, None, Some(&cfg)).unwrap();
+    assert!(loaded.snapshot_bytes() == seq.snapshot_bytes());
+    let q = rng.gaussians(3 * 4 * D);
+    assert_eq!(
+        attend(&seq, 1, &q, None).unwrap(),
+        attend(&loaded, 1, &q, None).unwrap()
+    );
+
+    let bytes = std::fs::read(&path).unwrap();
+    for at in [0usize, 9, 30, bytes.len() / 2, bytes.len() - 1] {
+        let mut bad = bytes.clone();
+        bad[at] ^= 0x20;
+        assert!(
+            matches!(
+                Sequence::from_snapshot(&bad, None, None),
+                Err(CacheError::Snapshot(_))
+            ),
+            "flip at {at}"
+        );
+    }
+    for cut in [0usize, 10, 100, bytes.len() - 1] {
+        assert!(matches!(
+            Sequence::from_snapshot(&bytes[..cut], None, None),
+            Err(CacheError::Snapshot(_))
+        ));
+    }
+    let mut other = cfg.clone();
+    other.max_tokens = 4096;
+    assert!(matches!(
+        Sequence::from_snapshot(&bytes, None, Some(&other)),
+        Err(CacheError::Snapshot(_))
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pool_exhaustion_during_a_seal_loses_nothing() {
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let pool = sjkvarn::cache::RecordPool::new(cfg.slot_bytes(), 2);
+    let mut seq = Sequence::new(Arc::new(cfg.clone()), pool).unwrap();
+    let mut rng = SplitMix64::new(9);
+    let mut len = 0;
+    let q = rng.gaussians(4 * D);
+    loop {
+        let take = seq.chunk_limit(0).unwrap().min(50);
+        let (k, v) = (kv(&mut rng, take, 2), kv(&mut rng, take, 2));
+        let before = seq.snapshot_bytes();
+        let out_before = attend(&seq, 0, &q, None).ok();
+        match seq.append(0, &k, &v) {
+            Ok(()) => len += take,
+            Err(CacheError::PoolExhausted { .. }) => {
+                assert!(
+                    seq.snapshot_bytes() == before,
+                    "failed append changed the cache"
+                );
+                assert_eq!(seq.len(0).unwrap(), len);
+                assert_eq!(attend(&seq, 0, &q, None).ok(), out_before);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        assert!(len < 2000, "pool never ran out");
+    }
+    assert!(matches!(
+        seq.seal_idle(),
+        Ok(()) | Err(CacheError::PoolExhausted { .. })
+    ));
+}
+
+#[test]
+fn bad_input_is_refused_without_change() {
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let mut seq = new_seq(cfg.clone());
+    let mut rng = SplitMix64::new(2);
+    seq.append(0, &kv(&mut rng, 10, 2), &kv(&mut rng, 10, 2))
+        .unwrap();
+    let before = seq.snapshot_bytes();
+    let mut bad = kv(&mut rng, 3, 2);
+    bad[5] = f32::NAN;
+    assert!(seq.append(0, &bad, &kv(&mut rng, 3, 2)).is_err());
+    assert!(seq
+        .append(0, &kv(&mut rng, 3, 2)[1..], &kv(&mut rng, 3, 2)[1..])
+        .is_err());
+    assert!(matches!(
+        seq.append(5, &kv(&mut rng, 1, 2), &kv(&mut rng, 1, 2)),
+        Err(CacheError::LayerOutOfRange { .. })
+    ));
+    let mut big = kv(&mut rng, 1, 2);
+    big[0] = 1e6; // not representable in the fp16 sink
+    assert!(seq.append(0, &big, &kv(&mut rng, 1, 2)).is_err());
+    assert!(attend(&seq, 0, &rng.gaussians(11 * 4 * D), None).is_err()); // more queries than tokens
+    assert!(seq.snapshot_bytes() == before);
+    let mut bad_cfg = cfg.clone();
+    bad_cfg.q_heads = 3;
+    assert!(matches!(
+        bad_cfg.validate(),
+        Err(CacheError::InvalidConfig(_))
+    ));
+    bad_cfg = cfg;
+    bad_cfg.max_tail = 200;
+    assert!(bad_cfg.validate().is_err());
+}
+
+#[test]
+fn many_sequences_from_threads_with_forks_and_truncates() {
+    let cfg = Arc::new(small_config(Staging::Tq6, LayerCoding::scalar(3, 3)));
+    let pool = Sequence::pool_for(&cfg, 16);
+    let run = |seed: u64, pool: Arc<sjkvarn::cache::RecordPool>| -> (Vec<u8>, Vec<u8>) {
+        let mut rng = SplitMix64::new(seed);
+        let mut seq = Sequence::new(cfg.clone(), pool).unwrap();
+        let mut t = 0;
+        while t < 600 {
+            let take = seq.chunk_limit(0).unwrap().min(600 - t).min(40);
+            seq.append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+                .unwrap();
+            t += take;
+        }
+        let mut child = seq.fork();
+        let back = child.truncate(450).unwrap();
+        let mut t = back;
+        while t < 650 {
+            let take = child.chunk_limit(0).unwrap().min(650 - t).min(40);
+            child
+                .append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+                .unwrap();
+            t += take;
+        }
+        (seq.snapshot_bytes(), child.snapshot_bytes())
+    };
+    let serial: Vec<_> = (0..6)
+        .map(|s| run(s, Sequence::pool_for(&cfg, 4)))
+        .collect();
+    let parallel: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|s| {
+                let pool = pool.clone();
+                scope.spawn(move || run(s, pool))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(serial == parallel);
+    assert_eq!(
+        pool.stats().used,
+        0,
+        "every slot is released when the sequences drop"
+    );
+}
+
+#[test]
+fn fork_shares_sealed_records() {
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let mut seq = new_seq(cfg);
+    let mut rng = SplitMix64::new(4);
+    let mut t = 0;
+    while t < 800 {
+        let take = seq.chunk_limit(0).unwrap().min(800 - t);
+        seq.append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+            .unwrap();
+        t += take;
+    }
+    let used = seq.pool().stats().used;
+    assert!(used > 0);
+    let child = seq.fork();
+    assert_eq!(seq.pool().stats().used, used, "a fork copies no records");
+    let q = rng.gaussians(4 * D);
+    assert_eq!(
+        attend(&seq, 0, &q, None).unwrap(),
+        attend(&child, 0, &q, None).unwrap()
+    );
+    drop(seq);
+    assert_eq!(
+        child.pool().stats().used,
+        used,
+        "records stay while the child holds them"
+    );
+    let m = child.memory();
+    assert_eq!(m.sink_tokens + m.sealed_tokens + m.ring_tokens, 800);
+    assert!(m.effective_bits > 4.0 && m.effective_bits < 16.0);
+}
