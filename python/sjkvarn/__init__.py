@@ -5,5 +5,15 @@ The codec lives in the Rust core; this package is a thin typed layer over ``sjkv
 
 from sjkvarn import codec
 from sjkvarn._core import GROUP, CodecError
+from sjkvarn.cache import Cache, CacheError, Config, PoolExhaustedError, SnapshotError
 
-__all__ = ["GROUP", "CodecError", "codec"]
+__all__ = [
+    "GROUP",
+    "Cache",
+    "CacheError",
+    "CodecError",
+    "Config",
+    "PoolExhaustedError",
+    "SnapshotError",
+    "codec",
+]

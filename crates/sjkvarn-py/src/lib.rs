@@ -1,6 +1,7 @@
 //! `sjkvarn._core`: thin PyO3 bindings over the `sjkvarn` crate. Arrays cross by DLPack; every
 //! error becomes a Python exception; heavy work runs with the GIL released.
 
+mod cache;
 mod dlpack;
 
 use dlpack::{read_f32, with_f32_out};
@@ -78,7 +79,7 @@ fn decode_into(
     })
 }
 
-fn coding(name: &str) -> PyResult<BodyCoding> {
+pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
     match name {
         "scalar" => Ok(BodyCoding::Scalar),
         "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
@@ -277,6 +278,13 @@ fn to_float32<'py>(
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CodecError", m.py().get_type::<CodecError>())?;
+    m.add("CacheError", m.py().get_type::<cache::CacheError>())?;
+    m.add(
+        "PoolExhaustedError",
+        m.py().get_type::<cache::PoolExhaustedError>(),
+    )?;
+    m.add("SnapshotError", m.py().get_type::<cache::SnapshotError>())?;
+    m.add_class::<cache::Cache>()?;
     m.add("GROUP", GROUP)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;

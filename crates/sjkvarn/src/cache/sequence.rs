@@ -51,7 +51,9 @@ pub struct MemoryReport {
     pub ring_bytes: usize,
     /// Pool bytes referenced by this sequence's block tables (shared slots count in full).
     pub body_bytes: usize,
+    /// Length of layer 0.
     pub tokens: usize,
+    /// Region occupancy in layer-tokens (summed over layers).
     pub sealed_tokens: usize,
     pub ring_tokens: usize,
     pub sink_tokens: usize,
