@@ -25,7 +25,7 @@ def test_non_finite_body() -> None:
         codec.encode_body(k, v)
 
 
-@pytest.mark.parametrize("fmt,cols", [("q8_0", 48), ("turbo4", 64), ("tq6_0", 200), ("q4_1", 33)])
+@pytest.mark.parametrize("fmt,cols", [("q8_0", 48), ("turbo4", 96), ("tq6_0", 200), ("q4_1", 33)])
 def test_lengths_not_whole_blocks(fmt: str, cols: int) -> None:
     with pytest.raises(CodecError, match="block size"):
         codec.encode(fmt, np.zeros((3, cols), dtype=np.float32))

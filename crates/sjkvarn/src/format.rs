@@ -79,12 +79,21 @@ impl BlockFormat {
     }
 
     fn kind(self) -> Kind {
-        let tq = |bits| {
-            Kind::Tq(TqBlock {
-                bits,
-                len: TQ_BLOCK,
-            })
-        };
+        self.kind_with(TQ_BLOCK)
+    }
+
+    /// Rotated formats code 128-value blocks, or 64-value blocks on rows of 64 (a 64-wide head
+    /// vector, as the cache's staging does); other formats ignore the row length.
+    fn tq_len_for(row_len: usize) -> usize {
+        if row_len == 64 {
+            64
+        } else {
+            TQ_BLOCK
+        }
+    }
+
+    fn kind_with(self, tq_len: usize) -> Kind {
+        let tq = |bits| Kind::Tq(TqBlock { bits, len: tq_len });
         match self {
             BlockFormat::F16 => Kind::F16,
             BlockFormat::Q8_0 => Kind::Ggml(GgmlFormat::Q8_0),
@@ -96,6 +105,24 @@ impl BlockFormat {
             BlockFormat::Turbo4 => tq(4),
             BlockFormat::Tq5_0 => tq(5),
             BlockFormat::Tq6_0 => tq(6),
+        }
+    }
+
+    /// Values per block on rows of `row_len` values (see [`encode_rows`]).
+    pub fn block_values_for(self, row_len: usize) -> usize {
+        match self.kind_with(Self::tq_len_for(row_len)) {
+            Kind::F16 => 1,
+            Kind::Ggml(_) => QK,
+            Kind::Tq(b) => b.len,
+        }
+    }
+
+    /// Bytes per block on rows of `row_len` values.
+    pub fn block_bytes_for(self, row_len: usize) -> usize {
+        match self.kind_with(Self::tq_len_for(row_len)) {
+            Kind::F16 => 2,
+            Kind::Ggml(g) => g.block_bytes(),
+            Kind::Tq(b) => b.bytes(),
         }
     }
 
@@ -139,8 +166,8 @@ impl BlockFormat {
         Ok(values / bv * self.block_bytes())
     }
 
-    fn encode_block(self, block: &[f32], out: &mut [u8]) -> Result<()> {
-        match self.kind() {
+    fn encode_block(self, tq_len: usize, block: &[f32], out: &mut [u8]) -> Result<()> {
+        match self.kind_with(tq_len) {
             Kind::F16 => {
                 let h = f16::from_f32(block[0]);
                 if !h.is_finite() {
@@ -167,15 +194,16 @@ impl BlockFormat {
             }
             Kind::Tq(b) => {
                 let mut rot = [0.0f32; TQ_BLOCK];
+                let rot = &mut rot[..b.len];
                 rot.copy_from_slice(block);
-                fwht_unchecked(&mut rot);
-                b.encode_rotated(&rot, out)
+                fwht_unchecked(rot);
+                b.encode_rotated(rot, out)
             }
         }
     }
 
-    fn decode_block(self, bytes: &[u8], out: &mut [f32]) {
-        match self.kind() {
+    fn decode_block(self, tq_len: usize, bytes: &[u8], out: &mut [f32]) {
+        match self.kind_with(tq_len) {
             Kind::F16 => out[0] = f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
             Kind::Ggml(g) => g.decode_block(bytes, out),
             Kind::Tq(b) => {
@@ -214,7 +242,32 @@ pub fn encode_into(
     out: &mut [u8],
     threads: Option<usize>,
 ) -> Result<()> {
-    let expected = format.encoded_len(values.len())?;
+    encode_rows_into(format, values, 0, out, threads)
+}
+
+/// Encoded size of `values` values on rows of `row_len` (0: any row length).
+pub fn encoded_len_rows(format: BlockFormat, values: usize, row_len: usize) -> Result<usize> {
+    let bv = format.block_values_for(row_len);
+    if values % bv != 0 {
+        return Err(CodecError::NotBlockMultiple {
+            what: format.name(),
+            len: values,
+            block: bv,
+        });
+    }
+    Ok(values / bv * format.block_bytes_for(row_len))
+}
+
+/// Like [`encode_into`], for rows of `row_len` values: rotated formats use 64-value blocks on
+/// rows of 64 (one 64-wide head vector) and 128-value blocks otherwise.
+pub fn encode_rows_into(
+    format: BlockFormat,
+    values: &[f32],
+    row_len: usize,
+    out: &mut [u8],
+    threads: Option<usize>,
+) -> Result<()> {
+    let expected = encoded_len_rows(format, values.len(), row_len)?;
     if out.len() != expected {
         return Err(CodecError::LengthMismatch {
             what: "encode output bytes",
@@ -223,7 +276,11 @@ pub fn encode_into(
         });
     }
     check_finite(values)?;
-    let (bv, bb) = (format.block_values(), format.block_bytes());
+    let tq_len = BlockFormat::tq_len_for(row_len);
+    let (bv, bb) = (
+        format.block_values_for(row_len),
+        format.block_bytes_for(row_len),
+    );
     with_threads(threads, || {
         values
             .par_chunks(bv * BLOCKS_PER_TASK)
@@ -231,15 +288,25 @@ pub fn encode_into(
             .try_for_each(|(vals, bytes)| {
                 vals.chunks_exact(bv)
                     .zip(bytes.chunks_exact_mut(bb))
-                    .try_for_each(|(v, b)| format.encode_block(v, b))
+                    .try_for_each(|(v, b)| format.encode_block(tq_len, v, b))
             })
     })?
 }
 
 /// Encodes `values` into a new byte vector.
 pub fn encode(format: BlockFormat, values: &[f32], threads: Option<usize>) -> Result<Vec<u8>> {
-    let mut out = vec![0u8; format.encoded_len(values.len())?];
-    encode_into(format, values, &mut out, threads)?;
+    encode_rows(format, values, 0, threads)
+}
+
+/// Encodes rows of `row_len` values into a new byte vector (see [`encode_rows_into`]).
+pub fn encode_rows(
+    format: BlockFormat,
+    values: &[f32],
+    row_len: usize,
+    threads: Option<usize>,
+) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; encoded_len_rows(format, values.len(), row_len)?];
+    encode_rows_into(format, values, row_len, &mut out, threads)?;
     Ok(out)
 }
 
@@ -250,7 +317,18 @@ pub fn decode_into(
     out: &mut [f32],
     threads: Option<usize>,
 ) -> Result<()> {
-    let expected = format.encoded_len(out.len())?;
+    decode_rows_into(format, bytes, 0, out, threads)
+}
+
+/// Decodes rows of `row_len` values (see [`encode_rows_into`]).
+pub fn decode_rows_into(
+    format: BlockFormat,
+    bytes: &[u8],
+    row_len: usize,
+    out: &mut [f32],
+    threads: Option<usize>,
+) -> Result<()> {
+    let expected = encoded_len_rows(format, out.len(), row_len)?;
     if bytes.len() != expected {
         return Err(CodecError::LengthMismatch {
             what: "encoded bytes",
@@ -258,14 +336,18 @@ pub fn decode_into(
             got: bytes.len(),
         });
     }
-    let (bv, bb) = (format.block_values(), format.block_bytes());
+    let tq_len = BlockFormat::tq_len_for(row_len);
+    let (bv, bb) = (
+        format.block_values_for(row_len),
+        format.block_bytes_for(row_len),
+    );
     with_threads(threads, || {
         bytes
             .par_chunks(bb * BLOCKS_PER_TASK)
             .zip(out.par_chunks_mut(bv * BLOCKS_PER_TASK))
             .for_each(|(bytes, vals)| {
                 for (b, v) in bytes.chunks_exact(bb).zip(vals.chunks_exact_mut(bv)) {
-                    format.decode_block(b, v);
+                    format.decode_block(tq_len, b, v);
                 }
             })
     })
@@ -330,6 +412,30 @@ mod tests {
             encode(BlockFormat::Q4_0, &[1.0; 32], Some(0)),
             Err(CodecError::InvalidSetting(_))
         ));
+    }
+
+    #[test]
+    fn rows_of_64_use_64_value_rotated_blocks() {
+        let x: Vec<f32> = (0..64 * 6)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 29.0)
+            .collect();
+        let b = encode_rows(BlockFormat::Tq6_0, &x, 64, None).unwrap();
+        assert_eq!(b.len(), 6 * 50);
+        let mut y = vec![0.0; x.len()];
+        decode_rows_into(BlockFormat::Tq6_0, &b, 64, &mut y, None).unwrap();
+        let err: f32 = x
+            .iter()
+            .zip(&y)
+            .map(|(a, c)| (a - c) * (a - c))
+            .sum::<f32>()
+            / x.iter().map(|a| a * a).sum::<f32>();
+        assert!(err < 0.002, "{err}");
+        // other formats ignore the row length
+        assert_eq!(
+            encode_rows(BlockFormat::Q8_0, &x, 64, None).unwrap(),
+            encode(BlockFormat::Q8_0, &x, None).unwrap()
+        );
+        assert!(encode_rows(BlockFormat::Turbo4, &x[..96], 96, None).is_err());
     }
 
     #[test]
