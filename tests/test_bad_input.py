@@ -113,3 +113,11 @@ def test_failed_decode_leaves_out_untouched() -> None:
     with pytest.raises(CodecError):
         codec.decode("q8_0", bytes(67), (1, 64), out=out)
     assert (out == 5.0).all()
+
+
+def test_rotated_formats_on_64_wide_rows() -> None:
+    x = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32)
+    blob = codec.encode("tq6_0", x)
+    assert len(blob) == 15 * 50  # one 64-value block (48 code bytes + fp16 norm) per row
+    y = codec.decode("tq6_0", blob, x.shape)
+    assert float(((x - y) ** 2).sum() / (x**2).sum()) < 2e-3

@@ -96,3 +96,21 @@ def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # ty
     assert json.loads((tmp_path / "results.json").read_text())["arms"].keys() == arms.keys()
     assert "| SJ-KVaRN 4/4 |" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "kl_vs_bits.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_analyze_reports_every_layer(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from sjkvarn import analyze
+
+    net, tok = model_and_tokenizer
+    layers = analyze.capture(net, tok, histories.coding().text, 256)
+    assert len(layers) == net.config.num_hidden_layers
+    row = analyze.analyze_layer(*layers[3])
+    for part in ("K", "V"):
+        r = row[part]
+        assert 0 < r["entropy_fp16_bits"] <= 16
+        assert 1 <= r["dims_90pct"] <= 64
+        assert -1 <= r["neighbour_cos"] <= 1
+        assert r["minmax@2"] > r["minmax@3"] > r["minmax@4"]
+        assert r["q8_0"] < r["q4_0"] and r["body 3/3t"] > 0
+    # keys have outlier channels: rotation helps per-token rounding on them
+    assert row["K"]["rot-minmax@4"] < row["K"]["minmax@4"]

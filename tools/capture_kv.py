@@ -38,26 +38,19 @@ def stdlib_text(min_chars: int) -> str:
 
 
 def capture(model_path: str | None, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    import torch
-
-    from sjkvarn import models
+    from sjkvarn import analyze, models
 
     net, tok = models.load(model_path)
-    ids = tok(stdlib_text(tokens * 8), return_tensors="pt").input_ids[:, :tokens]
-    if ids.shape[1] < SINK + GROUP:
-        raise SystemExit(f"only {ids.shape[1]} tokens of text; need at least {SINK + GROUP}")
-    with torch.no_grad():
-        out = net(ids, use_cache=True)
-    cache = out.past_key_values
+    layers = analyze.capture(net, tok, stdlib_text(tokens * 8), tokens)
+    if layers[0][0].shape[0] < SINK + GROUP:
+        raise SystemExit(f"only {layers[0][0].shape[0]} tokens of text; need {SINK + GROUP}")
     ks, vs = [], []
-    for layer in range(len(cache.layers)):
-        k = cache.layers[layer].keys[0].float().numpy()  # [kv_heads, seq, head_dim], post-RoPE
-        v = cache.layers[layer].values[0].float().numpy()
-        seq = k.shape[1]
-        for head in range(k.shape[0]):
+    for k, v in layers:  # [seq, kv_heads, head_dim]
+        seq = k.shape[0]
+        for head in range(k.shape[1]):
             for start in range(SINK, seq - GROUP + 1, GROUP):
-                ks.append(k[head, start : start + GROUP])
-                vs.append(v[head, start : start + GROUP])
+                ks.append(k[start : start + GROUP, head])
+                vs.append(v[start : start + GROUP, head])
     return np.stack(ks).astype(np.float32), np.stack(vs).astype(np.float32)
 
 

@@ -40,12 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--task", choices=["kl"], default="kl")
+    an = sub.add_parser("analyze", help="per-layer statistics and rounding errors of a KV cache")
+    an.add_argument("--model", default=None, help="GGUF file or local HF folder")
+    an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
+    an.add_argument("--tokens", type=int, default=1024)
+    an.add_argument("--out", default=None, help="write the full results as JSON here")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["eval", *argv]
     args = parser.parse_args(argv)
     if args.command == "eval":
         return run_eval(args, parser)
+    if args.command == "analyze":
+        return run_analyze(args, parser)
     if args.command == "memory":
         try:
             geo = memory.geometry(args.model, args.layers, args.kv_heads, args.head_dim)
@@ -107,4 +114,33 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     evaluation.write_outputs(report, out)
     print(evaluation.render_table(report))
     print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'kl_vs_bits.png'}")
+    return 0
+
+
+def run_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from sjkvarn import analyze, histories, models
+
+    if args.tokens < 128:
+        parser.error("--tokens must be at least 128")
+    try:
+        net, tok = models.load(args.model)
+    except models.ModelNotFound as e:
+        print(f"sjkvarn analyze: {e}", file=sys.stderr)
+        return 2
+    text = histories.from_file(args.text).text if args.text else histories.coding().text
+    layers = analyze.capture(net, tok, text, args.tokens)
+    rows = [analyze.analyze_layer(k, v) for k, v in tqdm(layers, desc="layers", unit="layer")]
+    print(
+        f"normalised MSE per layer over {layers[0][0].shape[0]} tokens "
+        "(mm = per-token min-max, rot = rotated min-max, chan = per-channel min-max)"
+    )
+    print(analyze.render(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.out}")
     return 0

@@ -49,15 +49,15 @@ fn encode<'py>(
     let f = format_of(format)?;
     let host = read_f32(array, "array")?;
     let last = host.shape.last().copied().unwrap_or(1);
-    if host.shape.is_empty() || last % f.block_values() != 0 {
+    if host.shape.is_empty() || last % f.block_values_for(last) != 0 {
         return Err(CodecError::new_err(format!(
             "{}: the last dimension ({last}) must be a multiple of the block size {}",
             f.name(),
-            f.block_values()
+            f.block_values_for(last)
         )));
     }
     let bytes = py
-        .detach(|| sjkvarn::format::encode(f, &host.values, threads))
+        .detach(|| sjkvarn::format::encode_rows(f, &host.values, last, threads))
         .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
 }
@@ -73,8 +73,9 @@ fn decode_into(
     threads: Option<usize>,
 ) -> PyResult<()> {
     let f = format_of(format)?;
-    with_f32_out(out, "out", |values, _| {
-        py.detach(|| sjkvarn::format::decode_into(f, blob, values, threads))
+    with_f32_out(out, "out", |values, shape| {
+        let last = shape.last().copied().unwrap_or(0);
+        py.detach(|| sjkvarn::format::decode_rows_into(f, blob, last, values, threads))
             .map_err(err)
     })
 }
