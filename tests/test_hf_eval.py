@@ -114,3 +114,27 @@ def test_analyze_reports_every_layer(model_and_tokenizer) -> None:  # type: igno
         assert r["q8_0"] < r["q4_0"] and r["body 3/3t"] > 0
     # keys have outlier channels: rotation helps per-token rounding on them
     assert row["K"]["rot-minmax@4"] < row["K"]["minmax@4"]
+
+
+def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from sjkvarn import needles
+
+    net, tok = model_and_tokenizer
+    s = needles.NeedleSettings(
+        context_tokens=400, distances=(64, 200), bootstrap=100, arms=["fp16"]
+    )
+    cases = needles.build_cases(tok, [histories.coding()], s)
+    for case in cases:
+        ids = case.ids[0].tolist()
+        assert len(ids) == 400
+        assert ids[case.answer_from :] == case.gold.tolist()
+        text = tok.decode(ids)
+        fact = text.index("# Note: the access code")
+        question = text.index("# Question:")
+        between = tok(text[fact:question], add_special_tokens=False).input_ids
+        assert abs(len(between) - case.distance) <= 20  # the fact line plus the filler
+    report = needles.evaluate_needles(net, tok, [histories.coding()], s, progress=False)
+    fp16 = report["arms"]["fp16"]
+    assert set(fp16["per_distance"]) == {64, 200}
+    assert fp16["mean"] < 1e-3 and 0.0 <= fp16["top1_gold"] <= 1.0
+    assert "fp16" in needles.render(report)

@@ -47,3 +47,18 @@ def test_cluster_bootstrap_and_errors() -> None:
     assert point == 2.0 and lo == pytest.approx(1.0) and hi == pytest.approx(3.0)
     with pytest.raises(ValueError):
         bootstrap_ratio(arm, base[:3])
+
+
+def test_nested_bootstrap() -> None:
+    from sjkvarn.stats import nested_bootstrap_ratio
+
+    rng = np.random.default_rng(1)
+    outer = np.repeat([0, 1, 2, 3], 40)
+    inner = np.repeat(np.arange(16), 10)
+    base = rng.exponential(1.0, 160)
+    arm = 3.0 * base  # a constant ratio survives any resampling
+    point, lo, hi = nested_bootstrap_ratio(arm, base, outer, inner, resamples=300)
+    assert point == pytest.approx(3.0) and lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+    noisy = rng.exponential(2.0, 160)
+    point, lo, hi = nested_bootstrap_ratio(noisy, base, outer, inner, resamples=300)
+    assert lo < point < hi and hi - lo > 0.2

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--task", choices=["kl"], default="kl")
+    ev.add_argument("--task", choices=["kl", "needles"], default="kl")
+    ev.add_argument("--context-tokens", type=int, default=1536, help="needles: sequence length")
     an = sub.add_parser("analyze", help="per-layer statistics and rounding errors of a KV cache")
     an.add_argument("--model", default=None, help="GGUF file or local HF folder")
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
@@ -94,6 +95,8 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"sjkvarn eval: {e}", file=sys.stderr)
         return 2
     hist = [histories.from_file(p) for p in args.text] if args.text else histories.defaults()
+    if args.task == "needles":
+        return run_needles(args, net, tok, hist)
     scale = args.history_tokens / 1024
     settings = evaluation.EvalSettings(
         history_tokens=args.history_tokens,
@@ -143,4 +146,33 @@ def run_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.out}")
+    return 0
+
+
+def run_needles(args: argparse.Namespace, net: object, tok: object, hist: list) -> int:  # type: ignore[type-arg]
+    import json
+    from pathlib import Path
+
+    from sjkvarn import needles
+
+    c = args.context_tokens
+    distances = tuple(sorted({max(64, int(c * f)) for f in (1 / 12, 1 / 4, 1 / 2, 5 / 6)}))
+    settings = needles.NeedleSettings(
+        context_tokens=c,
+        distances=distances,
+        seed=args.seed,
+        baseline=args.baseline,
+        arms=args.arms,
+    )
+    haystacks = [h for h in hist if h.name in ("coding", "prose")] or hist
+    try:
+        report = needles.evaluate_needles(net, tok, haystacks, settings)
+    except ValueError as e:
+        print(f"sjkvarn eval: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "needles.json").write_text(json.dumps(report, indent=2))
+    print(needles.render(report))
+    print(f"\nwrote {out / 'needles.json'}")
     return 0

@@ -53,3 +53,40 @@ def bootstrap_ratio(
             ratios[i] = arm_sum[pick].sum() / base_sum[pick].sum()
     lo, hi = np.quantile(ratios, [0.025, 0.975])
     return point, float(lo), float(hi)
+
+
+def nested_bootstrap_ratio(
+    arm: np.ndarray,
+    base: np.ndarray,
+    outer: np.ndarray,
+    inner: np.ndarray,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """Mean-KL ratio with a nested cluster bootstrap: resample outer clusters (haystacks),
+    then inner clusters (needles) within each chosen outer cluster, keeping positions paired."""
+    if arm.shape != base.shape or arm.size == 0:
+        raise ValueError("paired bootstrap needs two equally long, non-empty samples")
+    rng = np.random.default_rng(seed)
+    point = float(arm.mean() / base.mean())
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for o in np.unique(outer):
+        groups[int(o)] = [
+            (
+                float(arm[(outer == o) & (inner == i)].sum()),
+                float(base[(outer == o) & (inner == i)].sum()),
+            )
+            for i in np.unique(inner[outer == o])
+        ]
+    keys = list(groups)
+    ratios = np.empty(resamples)
+    for r in range(resamples):
+        a_sum = b_sum = 0.0
+        for o in rng.choice(keys, len(keys)):
+            members = groups[int(o)]
+            for j in rng.integers(0, len(members), len(members)):
+                a_sum += members[j][0]
+                b_sum += members[j][1]
+        ratios[r] = a_sum / b_sum
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    return point, float(lo), float(hi)
