@@ -7,6 +7,9 @@ use crate::body::{BodyCoding, BodySpec, GROUP};
 /// Tokens kept in fp16 at the start of every sequence.
 pub const SINK: usize = 128;
 
+/// Longest supported sequence.
+pub const MAX_TOKENS: usize = 1 << 24;
+
 /// Bits and coding of one layer's body records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerCoding {
@@ -137,6 +140,23 @@ impl CacheConfig {
         }
         if self.max_chunk == 0 || self.max_tokens == 0 {
             return bad("max_chunk and max_tokens must be at least 1".into());
+        }
+        // Upper bounds keep every up-front allocation sane: a typo must be an error, not an
+        // out-of-memory abort of the host process.
+        let limits = [
+            ("layers", self.layers, 4096),
+            ("q_heads", self.q_heads, 4096),
+            ("kv_heads", self.kv_heads, 1024),
+            ("max_tokens", self.max_tokens, MAX_TOKENS),
+            ("max_tail", self.max_tail, 1 << 22),
+            ("max_chunk", self.max_chunk, 1 << 16),
+        ];
+        for (name, value, limit) in limits {
+            if value > limit {
+                return bad(format!(
+                    "{name} = {value} exceeds the supported maximum {limit}"
+                ));
+            }
         }
         self.balance
             .validate()
