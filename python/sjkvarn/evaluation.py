@@ -169,16 +169,32 @@ def run_sequence(
 
 
 @dataclass
-class EvalSettings:
-    history_tokens: int = 1024
-    scored_tokens: int = 128
-    mode: str = "teacher"
+class ArmSettings:
+    """What every evaluation task shares: the arms, their scaled tails and the statistics."""
+
     seed: int = 0
     baseline: str = "KVarN 4/4 tail 0"
     sj_tail: tuple[int, int] = (128, 256)
     kvarn_tail: int = 64
     bootstrap: int = 2000
     arms: list[str] | None = None
+
+    def select_arms(self) -> list[Arm]:
+        """The default arms, or the named subset plus the baseline."""
+        arms = default_arms(self.sj_tail, self.kvarn_tail)
+        if self.arms:
+            unknown = set(self.arms) - {a.name for a in arms}
+            if unknown:
+                raise ValueError(f"unknown arms {sorted(unknown)}; known: {[a.name for a in arms]}")
+            arms = [a for a in arms if a.name in self.arms or a.name == self.baseline]
+        return arms
+
+
+@dataclass
+class EvalSettings(ArmSettings):
+    history_tokens: int = 1024
+    scored_tokens: int = 128
+    mode: str = "teacher"
 
 
 def prepare_ids(model: Any, tokenizer: Any, history: History, s: EvalSettings) -> torch.Tensor:
@@ -210,12 +226,7 @@ def prepare_ids(model: Any, tokenizer: Any, history: History, s: EvalSettings) -
 def evaluate(
     model: Any, tokenizer: Any, histories: list[History], s: EvalSettings, progress: bool = True
 ) -> dict[str, Any]:
-    arms = default_arms(s.sj_tail, s.kvarn_tail)
-    if s.arms:
-        unknown = set(s.arms) - {a.name for a in arms}
-        if unknown:
-            raise ValueError(f"unknown arms {sorted(unknown)}; known: {[a.name for a in arms]}")
-        arms = [a for a in arms if a.name in s.arms or a.name == s.baseline]
+    arms = s.select_arms()
     results = {a.name: ArmResult(a.name) for a in arms}
     distinct: list[int] = []
     bar = tqdm(total=len(histories) * (len(arms) + 1), disable=not progress, unit="run")

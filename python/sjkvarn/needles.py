@@ -25,15 +25,9 @@ COLOURS = ["amber", "cobalt", "crimson", "jade", "ivory", "violet", "saffron", "
 
 
 @dataclass
-class NeedleSettings:
+class NeedleSettings(evaluation.ArmSettings):
     context_tokens: int = 1536
     distances: tuple[int, ...] = (128, 384, 768, 1280)
-    seed: int = 0
-    baseline: str = "KVarN 4/4 tail 0"
-    sj_tail: tuple[int, int] = (128, 256)
-    kvarn_tail: int = 64
-    bootstrap: int = 2000
-    arms: list[str] | None = None
 
 
 @dataclass
@@ -74,9 +68,7 @@ def build_cases(tokenizer: Any, haystacks: list[History], s: NeedleSettings) -> 
 def evaluate_needles(
     model: Any, tokenizer: Any, haystacks: list[History], s: NeedleSettings, progress: bool = True
 ) -> dict[str, Any]:
-    arms = evaluation.default_arms(s.sj_tail, s.kvarn_tail)
-    if s.arms:
-        arms = [a for a in arms if a.name in s.arms or a.name == s.baseline]
+    arms = s.select_arms()
     cases = build_cases(tokenizer, haystacks, s)
     kl: dict[str, list[float]] = {a.name: [] for a in arms}
     hit: dict[str, list[bool]] = {a.name: [] for a in arms}
