@@ -1,0 +1,302 @@
+// One-pass attention over sink + body records + ring for one query row and one KV head, over a
+// range of 128-position cache blocks (a split of flash-decoding). The same arithmetic as
+// `crates/sjkvarn/src/cache/attention.rs`: body records are read in the absorbed-scale form,
+// rotated-frame and model-frame value sums are kept apart and meet after the merge.
+#pragma once
+#include "sj_common.cuh"
+#include "sj_hadamard.cuh"
+#include "sj_layer.cuh"
+#include "sj_seal.cuh"
+#include "sj_staging.cuh"
+
+// Trellis decoder output at step `t` of a tail-biting run of `n` codes (random access).
+SJ_HD float sj_trellis_value_at(const float* codebook, int bits, const sj_u8* run, int n, int t) {
+    int window = (6 + bits + bits - 1) / bits;
+    sj_u32 idx = 0;
+    for (int j = 0; j < window; ++j) {
+        sj_u32 u = sj_code_at(run, (sj_u32)bits, (sj_u32)((t + n * 4 - j) % n));
+        idx |= u << (j * bits);
+    }
+    return codebook[idx & ((1u << (6 + bits)) - 1u)];
+}
+
+// Unit value at tile[i][j] (rows x cols) of a packed code tile in one of the three layouts.
+SJ_HD float sj_tile_unit(const sj_u8* packed, int bits, int coding, const float* codebook, int rows,
+                         int cols, int i, int j) {
+    if (coding == SJ_CODING_SCALAR) return (float)sj_code_at(packed, (sj_u32)bits, (sj_u32)(i * cols + j));
+    int run, len, pos;
+    if (coding == SJ_RUNS_ALONG_ROWS) {
+        run = i; len = cols; pos = j;
+    } else {
+        run = j; len = rows; pos = i;
+    }
+    const sj_u8* start = packed + (sj_u64)run * (sj_u64)len * (sj_u64)bits / 8u;
+    return sj_trellis_value_at(codebook, bits, start, len, pos);
+}
+
+// Softmax state of one query head: running max, sum and the two value accumulators.
+struct SjSoftmaxState {
+    float* max;        // [gs]
+    float* sum;        // [gs]
+    float* acc_plain;  // [gs][head_dim]
+    float* acc_rot;    // [gs][head_dim]
+};
+
+// Lane-shared scratch of the attention block loop.
+struct SjAttendScratch {
+    float* logits;   // [gs][GROUP] (weights after the softmax step)
+    float* qa;       // [gs][256]
+    float* offset;   // [gs]
+    float* rescale;  // [gs]
+    float* weight_a; // [gs][GROUP]
+    float* step;     // [2][GROUP][4]: tq6_0 block scale of each ring row (K, V)
+};
+
+SJ_HD int sj_attend_scratch_floats(int gs) { return gs * (2 * SJ_GROUP + 256 + 2) + 8 * SJ_GROUP; }
+
+SJ_HD SjAttendScratch sj_attend_scratch(float* base, int gs) {
+    SjAttendScratch s;
+    s.logits = base;
+    s.weight_a = base + gs * SJ_GROUP;
+    s.qa = base + 2 * gs * SJ_GROUP;
+    s.offset = s.qa + gs * 256;
+    s.rescale = s.offset + gs;
+    s.step = s.rescale + gs;
+    return s;
+}
+
+SJ_HD void sj_softmax_init_lanes(SjSoftmaxState st, int gs, int d, int tid, int nthreads) {
+    for (int j = tid; j < gs; j += nthreads) {
+        st.max[j] = -SJ_INF_F;
+        st.sum[j] = 0.0f;
+    }
+    for (int e = tid; e < gs * d; e += nthreads) {
+        st.acc_plain[e] = 0.0f;
+        st.acc_rot[e] = 0.0f;
+    }
+    SJ_SYNC();
+}
+
+// Turns `s.logits[j][0..visible)` into weights and rescales the state (one lane per head).
+SJ_HD void sj_softmax_fold_lanes(SjSoftmaxState st, SjAttendScratch s, int gs, int d, int visible,
+                                 int tid, int nthreads) {
+    for (int j = tid; j < gs; j += nthreads) {
+        float* lg = s.logits + j * SJ_GROUP;
+        float block_max = -SJ_INF_F;
+        for (int t = 0; t < visible; ++t) block_max = fmaxf(block_max, lg[t]);
+        float new_max = fmaxf(st.max[j], block_max);
+        float rescale = expf(st.max[j] - new_max);
+        st.sum[j] *= rescale;
+        st.max[j] = new_max;
+        float sum = 0.0f;
+        for (int t = 0; t < visible; ++t) {
+            lg[t] = expf(lg[t] - new_max);
+            sum += lg[t];
+        }
+        st.sum[j] += sum;
+        s.rescale[j] = rescale;
+    }
+    SJ_SYNC();
+    for (int e = tid; e < gs * d; e += nthreads) {
+        float r = s.rescale[e / d];
+        st.acc_plain[e] *= r;
+        st.acc_rot[e] *= r;
+    }
+    SJ_SYNC();
+}
+
+// Per-row tq6_0 block scales of ring rows [first, first + rows) of head h, K then V, so the
+// inner loops do one table lookup and one multiply per value.
+SJ_HD void sj_ring_steps_lanes(const SjLayerView v, int h, int first, int rows, float* step,
+                               int tid, int nthreads) {
+    if (v.staging == SJ_STAGING_F16) return;
+    int len = sj_tq_block_len(v.head_dim);
+    int blocks = v.head_dim / len;
+    for (int e = tid; e < 2 * rows; e += nthreads) {
+        int value = e / rows, t = e % rows;
+        const sj_u8* row = sj_ring_row(v, first + t, h, value);
+        for (int b = 0; b < blocks; ++b) {
+            float norm = sj_f16_to_f32(sj_load_u16_le(row + b * sj_tq_block_bytes(len)));
+            step[(value * SJ_GROUP + t) * 4 + b] = norm / sqrtf((float)len);
+        }
+    }
+    SJ_SYNC();
+}
+
+// Ring value `c` of a row whose block scales are in `step` (see sj_ring_steps_lanes).
+SJ_HD float sj_ring_value_fast(const SjLayerView v, const sj_u8* row, const float* step, int c) {
+    if (v.staging == SJ_STAGING_F16) return sj_f16_to_f32(sj_load_u16_le(row + 2 * c));
+    int len = sj_tq_block_len(v.head_dim);
+    int b = c / len;
+    sj_u32 code = sj_code_at(row + b * sj_tq_block_bytes(len) + 2, SJ_TQ_BITS, (sj_u32)(c - b * len));
+    return step[b] * v.tq_table[code];
+}
+
+// Folds cache blocks [b0, b1) of KV head `h` into the state of query row at position `qpos`.
+// `q_plain`/`q_rot` are the GS query heads of this KV head, [GS][head_dim]. GS is a template
+// parameter so the per-head partial sums stay in registers.
+template <int GS>
+SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_plain,
+                                  const float* q_rot, int qpos, float scale, int b0, int b1,
+                                  SjSoftmaxState st, SjAttendScratch s, int tid, int nthreads) {
+    const int gs = GS;
+    int d = v.head_dim;
+    int rstart = sj_ring_start(v);
+    for (int b = b0; b < b1; ++b) {
+        int first, rows, kind;  // kind: 0 sink, 1 body, 2 ring
+        if (b == 0) {
+            first = 0; rows = v.len < SJ_SINK ? v.len : SJ_SINK; kind = 0;
+        } else if (b <= v.sealed) {
+            first = SJ_SINK + (b - 1) * SJ_GROUP; rows = SJ_GROUP; kind = 1;
+        } else {
+            first = rstart + (b - 1 - v.sealed) * SJ_GROUP;
+            rows = v.len - first < SJ_GROUP ? v.len - first : SJ_GROUP;
+            kind = 2;
+        }
+        int visible = qpos + 1 - first;
+        if (visible <= 0) continue;  // causal: the whole block lies after this query
+        if (visible > rows) visible = rows;
+        const sj_u8* record = 0;
+        if (kind == 1) {
+            record = v.pool + (sj_u64)v.blocks[b - 1] * v.slot_bytes + (sj_u64)h * (sj_u64)v.rec.record_bytes;
+        }
+
+        // 1. Logits.
+        if (kind == 1) {
+            for (int e = tid; e < gs * visible; e += nthreads) s.logits[e / visible * SJ_GROUP + e % visible] = 0.0f;
+            SJ_SYNC();
+            int r = v.rec.width;
+            for (int half = 0; half < v.rec.halves; ++half) {
+                const sj_u8* sub = record + half * v.rec.sub_bytes;
+                const sj_u8* kcodes = sub;
+                const sj_u8* meta = sub + v.rec.k_code_bytes + v.rec.v_code_bytes;
+                const sj_u8* a_k = meta;
+                const sj_u8* z_k = meta + 2 * r;
+                const sj_u8* s_k = meta + 4 * r;
+                for (int e = tid; e < gs * r; e += nthreads) {
+                    int j = e / r, c = e % r;
+                    s.qa[j * 256 + c] = q_rot[j * d + half * r + c] * sj_f16_to_f32(sj_load_u16_le(a_k + 2 * c));
+                }
+                for (int j = tid; j < gs; j += nthreads) {
+                    float off = 0.0f;
+                    for (int c = 0; c < r; ++c) off += q_rot[j * d + half * r + c] * sj_f16_to_f32(sj_load_u16_le(z_k + 2 * c));
+                    s.offset[j] = off;
+                }
+                SJ_SYNC();
+                for (int t = tid; t < visible; t += nthreads) {
+                    float part[GS];
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
+                    for (int c = 0; c < r; ++c) {
+                        float u = sj_tile_unit(kcodes, v.rec.k_bits, v.k_coding, v.k_codebook, r, SJ_GROUP, c, t);
+                        SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.qa[j * 256 + c] * u;
+                    }
+                    float sk = sj_f16_to_f32(sj_load_u16_le(s_k + 2 * t));
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) s.logits[j * SJ_GROUP + t] += sk * (part[j] + s.offset[j]);
+                }
+                SJ_SYNC();
+            }
+            for (int e = tid; e < gs * visible; e += nthreads) s.logits[e / visible * SJ_GROUP + e % visible] *= scale;
+        } else {
+            bool rotated = kind == 2 && v.staging != SJ_STAGING_F16;
+            const float* q = rotated ? q_rot : q_plain;
+            if (rotated) sj_ring_steps_lanes(v, h, first, visible, s.step, tid, nthreads);
+            for (int t = tid; t < visible; t += nthreads) {
+                float part[GS];
+                SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
+                int pos = first + t;
+                const sj_u8* row = kind == 2 ? sj_ring_row(v, pos, h, 0) : 0;
+                for (int c = 0; c < d; ++c) {
+                    float kv = kind == 0 ? sj_f16_to_f32(v.sink_k[((sj_u64)pos * v.kv_heads + h) * d + c])
+                                         : sj_ring_value_fast(v, row, s.step + t * 4, c);
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += q[j * d + c] * kv;
+                }
+                SJ_UNROLL for (int j = 0; j < GS; ++j) s.logits[j * SJ_GROUP + t] = part[j] * scale;
+            }
+        }
+        SJ_SYNC();
+
+        // 2. Online softmax: logits become weights, the state is rescaled.
+        sj_softmax_fold_lanes(st, s, gs, d, visible, tid, nthreads);
+
+        // 3. Values.
+        if (kind == 1) {
+            int r = v.rec.width;
+            for (int half = 0; half < v.rec.halves; ++half) {
+                const sj_u8* sub = record + half * v.rec.sub_bytes;
+                const sj_u8* vcodes = sub + v.rec.k_code_bytes;
+                const sj_u8* meta = sub + v.rec.k_code_bytes + v.rec.v_code_bytes;
+                const sj_u8* a_v = meta + 2 * (2 * r + SJ_GROUP);  // after a_k, z_k, s_k
+                const sj_u8* z_v = a_v + 2 * SJ_GROUP;
+                const sj_u8* s_v = z_v + 2 * SJ_GROUP;
+                for (int e = tid; e < gs * visible; e += nthreads) {
+                    int j = e / visible, t = e % visible;
+                    s.weight_a[j * SJ_GROUP + t] = s.logits[j * SJ_GROUP + t] * sj_f16_to_f32(sj_load_u16_le(a_v + 2 * t));
+                }
+                for (int j = tid; j < gs; j += nthreads) {
+                    float off = 0.0f;
+                    for (int t = 0; t < visible; ++t) off += s.logits[j * SJ_GROUP + t] * sj_f16_to_f32(sj_load_u16_le(z_v + 2 * t));
+                    s.offset[j] = off;
+                }
+                SJ_SYNC();
+                for (int c = tid; c < r; c += nthreads) {
+                    float part[GS];
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
+                    for (int t = 0; t < visible; ++t) {
+                        float u = sj_tile_unit(vcodes, v.rec.v_bits, v.v_coding, v.v_codebook, SJ_GROUP, r, t, c);
+                        SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.weight_a[j * SJ_GROUP + t] * u;
+                    }
+                    float sv = sj_f16_to_f32(sj_load_u16_le(s_v + 2 * c));
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) st.acc_rot[j * d + half * r + c] += sv * (part[j] + s.offset[j]);
+                }
+                SJ_SYNC();
+            }
+        } else {
+            bool rotated = kind == 2 && v.staging != SJ_STAGING_F16;
+            float* acc = rotated ? st.acc_rot : st.acc_plain;
+            for (int c = tid; c < d; c += nthreads) {
+                float part[GS];
+                SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
+                for (int t = 0; t < visible; ++t) {
+                    int pos = first + t;
+                    float vv = kind == 0 ? sj_f16_to_f32(v.sink_v[((sj_u64)pos * v.kv_heads + h) * d + c])
+                                         : sj_ring_value_fast(v, sj_ring_row(v, pos, h, 1),
+                                                              s.step + (SJ_GROUP + t) * 4, c);
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.logits[j * SJ_GROUP + t] * vv;
+                }
+                SJ_UNROLL for (int j = 0; j < GS; ++j) acc[j * d + c] += part[j];
+            }
+            SJ_SYNC();
+        }
+    }
+}
+
+// Merges `splits` partial states of one query head and writes the normalised output in the
+// model frame. Split `s` of this head is at `max[s * stride]` and `acc[s * stride * head_dim]`;
+// `work` is lane-shared scratch of head_dim floats.
+SJ_HD void sj_merge_lanes(const float* max, const float* sum, const float* acc_plain,
+                          const float* acc_rot, int splits, int stride, int head_dim, float* work,
+                          float* out, int tid, int nthreads) {
+    float m = -SJ_INF_F;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, max[s * stride]);
+    float total = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        if (max[s * stride] != -SJ_INF_F) total += sum[s * stride] * expf(max[s * stride] - m);
+    }
+    for (int c = tid; c < head_dim; c += nthreads) {
+        float rot = 0.0f, plain = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            if (max[s * stride] == -SJ_INF_F) continue;
+            float w = expf(max[s * stride] - m);
+            sj_u64 at = (sj_u64)s * (sj_u64)stride * (sj_u64)head_dim + (sj_u64)c;
+            rot += acc_rot[at] * w;
+            plain += acc_plain[at] * w;
+        }
+        work[c] = rot;
+        out[c] = plain;
+    }
+    SJ_SYNC();
+    sj_rotate_head_lanes(work, head_dim, tid, nthreads);
+    float inv = 1.0f / total;
+    for (int c = tid; c < head_dim; c += nthreads) out[c] = (work[c] + out[c]) * inv;
+    SJ_SYNC();
+}
