@@ -13,6 +13,7 @@ pub mod error;
 pub mod format;
 pub mod ggml;
 pub mod hadamard;
+pub mod kernel_abi;
 pub mod lloyd_max;
 mod lloyd_max_tables;
 pub mod records;

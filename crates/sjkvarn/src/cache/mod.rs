@@ -17,7 +17,7 @@ pub mod staging;
 
 pub use config::{CacheConfig, LayerCoding, Staging, SINK};
 pub use pool::RecordPool;
-pub use sequence::{MemoryReport, Sequence};
+pub use sequence::{LayerImage, MemoryReport, Sequence};
 
 /// Errors of the cache layer.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -61,6 +61,22 @@ pub struct MemoryReport {
     pub effective_bits: f64,
 }
 
+/// One layer's journal as plain bytes: what a device copy of the layer holds, and what crosses
+/// between the CPU and a device backend. Records are in block order, one `slot_bytes` slot per
+/// sealed group (the layer's records first, zero padding after).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerImage {
+    pub len: usize,
+    pub sealed: usize,
+    /// `[SINK][kv_heads][head_dim]` fp16 bits, model frame.
+    pub sink_k: Vec<u16>,
+    pub sink_v: Vec<u16>,
+    /// `[ring_rows][kv_heads][K, V][row_bytes]`.
+    pub ring: Vec<u8>,
+    /// `[sealed][slot_bytes]`.
+    pub records: Vec<u8>,
+}
+
 /// A sequence: one journal per layer, sealed records in a shared pool.
 #[derive(Debug)]
 pub struct Sequence {
@@ -450,6 +466,75 @@ impl Sequence {
             rows: self.rows,
             layers: self.layers.clone(),
         }
+    }
+
+    /// The bytes of `layer` (see [`LayerImage`]).
+    pub fn layer_image(&self, layer: usize) -> CacheResult<LayerImage> {
+        let l = self.layer(layer)?;
+        let slot = self.config.slot_bytes();
+        let mut records = vec![0u8; l.blocks.len() * slot];
+        for (dst, &id) in records.chunks_exact_mut(slot).zip(&l.blocks) {
+            let bytes = self.pool.get(id);
+            dst[..bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(LayerImage {
+            len: l.len,
+            sealed: l.sealed,
+            sink_k: l.sink_k.iter().map(|h| h.to_bits()).collect(),
+            sink_v: l.sink_v.iter().map(|h| h.to_bits()).collect(),
+            ring: l.ring.clone(),
+            records,
+        })
+    }
+
+    /// A sequence holding exactly these layer images (for example copied back from a device).
+    /// Every image is checked against the configuration and the journal rule first.
+    pub fn from_images(
+        config: Arc<CacheConfig>,
+        pool: Arc<RecordPool>,
+        images: &[LayerImage],
+    ) -> CacheResult<Self> {
+        let mut seq = Sequence::new(config.clone(), pool)?;
+        if images.len() != config.layers {
+            return Err(CacheError::InvalidConfig(format!(
+                "{} layer images for {} layers",
+                images.len(),
+                config.layers
+            )));
+        }
+        let slot = config.slot_bytes();
+        for (i, img) in images.iter().enumerate() {
+            let l = &seq.layers[i];
+            let bad = img.len > config.max_tokens
+                || img.sealed != sealed_groups_at(&config, img.len)
+                || img.sink_k.len() != l.sink_k.len()
+                || img.sink_v.len() != l.sink_v.len()
+                || img.ring.len() != l.ring.len()
+                || img.records.len() != img.sealed * slot;
+            if bad {
+                return Err(CacheError::InvalidConfig(format!(
+                    "layer {i} image does not match the configuration (len {}, sealed {})",
+                    img.len, img.sealed
+                )));
+            }
+        }
+        let total: usize = images.iter().map(|img| img.sealed).sum();
+        let mut slots = seq.pool.reserve(total)?.into_iter();
+        for (i, img) in images.iter().enumerate() {
+            let rb = config.kv_heads * config.body_spec(i).record_bytes();
+            let l = &mut seq.layers[i];
+            l.len = img.len;
+            l.sealed = img.sealed;
+            l.sink_k = img.sink_k.iter().map(|&b| f16::from_bits(b)).collect();
+            l.sink_v = img.sink_v.iter().map(|&b| f16::from_bits(b)).collect();
+            l.ring.copy_from_slice(&img.ring);
+            for rec in img.records.chunks_exact(slot) {
+                let id = slots.next().expect("reserved one slot per sealed group");
+                seq.pool.fill(id, Arc::from(&rec[..rb]));
+                l.blocks.push(id);
+            }
+        }
+        Ok(seq)
     }
 
     /// Allocated bytes per region and occupied effective bits per value.
