@@ -107,3 +107,5 @@ int sj_host_sizeof_record_layout(void) { return (int)sizeof(SjRecordLayout); }
 int sj_host_sizeof_balance(void) { return (int)sizeof(SjBalanceSettings); }
 int sj_host_seal_scratch_bytes(int width) { return (int)sj_seal_scratch_bytes(width); }
 }
+
+extern "C" int sj_host_attend_scratch_floats(int gs) { return sj_attend_scratch_floats(gs); }

@@ -39,6 +39,8 @@ mod ffi {
         pub fn sj_host_sizeof_view() -> i32;
         pub fn sj_host_sizeof_record_layout() -> i32;
         pub fn sj_host_sizeof_balance() -> i32;
+        pub fn sj_host_seal_scratch_bytes(width: i32) -> i32;
+        pub fn sj_host_attend_scratch_floats(gs: i32) -> i32;
     }
 }
 
@@ -176,4 +178,16 @@ pub fn c_struct_sizes() -> (usize, usize, usize) {
             ffi::sj_host_sizeof_balance() as usize,
         )
     }
+}
+
+/// `sj_seal_scratch_bytes(width)` as the C compiler computes it.
+pub fn c_seal_scratch_bytes(width: usize) -> usize {
+    // SAFETY: pure function.
+    unsafe { ffi::sj_host_seal_scratch_bytes(width as i32) as usize }
+}
+
+/// `sj_attend_scratch_floats(gs)` as the C compiler computes it.
+pub fn c_attend_scratch_floats(gs: usize) -> usize {
+    // SAFETY: pure function.
+    unsafe { ffi::sj_host_attend_scratch_floats(gs as i32) as usize }
 }

@@ -25,6 +25,24 @@ fn c_structs_have_the_rust_layout() {
 }
 
 #[test]
+fn scratch_sizes_match_the_c_functions() {
+    for width in [64usize, 128, 256] {
+        assert_eq!(
+            sjkvarn::kernel_abi::seal_scratch_bytes(width),
+            sjkvarn_cuda_host::c_seal_scratch_bytes(width)
+        );
+    }
+    for gs in [1usize, 3, 8, 16] {
+        for d in [64usize, 512] {
+            assert_eq!(
+                sjkvarn::kernel_abi::attend_shared_floats(gs, d),
+                gs * d + sjkvarn_cuda_host::c_attend_scratch_floats(gs)
+            );
+        }
+    }
+}
+
+#[test]
 fn fp16_conversion_is_bit_exact() {
     let mut rng = SplitMix64::new(11);
     let mut specials: Vec<f32> = vec![

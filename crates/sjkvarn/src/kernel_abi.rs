@@ -136,6 +136,24 @@ impl KernelBalance {
     }
 }
 
+/// Bytes of device scratch one seal block uses (`sj_seal_scratch_bytes` in `sj_seal.cuh`).
+pub fn seal_scratch_bytes(width: usize) -> usize {
+    let big = width.max(crate::GROUP);
+    let doubles = 6 * big + 4 * big + 4;
+    let bytes = 8 * doubles
+        + 4 * 2 * width * crate::GROUP
+        + width * crate::GROUP
+        + 2 * (3 * width + 3 * crate::GROUP)
+        + 16;
+    bytes.div_ceil(256) * 256
+}
+
+/// Floats of dynamic shared memory per attention block (`GS * head_dim` rotated queries plus
+/// `sj_attend_scratch_floats(GS)`).
+pub fn attend_shared_floats(group: usize, head_dim: usize) -> usize {
+    group * head_dim + group * (2 * crate::GROUP + 256 + 2) + 8 * crate::GROUP
+}
+
 /// Kernel sources by file name, embedded at build time.
 pub const KERNEL_FILES: [(&str, &str); 7] = [
     ("sjkvarn.cu", include_str!("../../../cuda/sjkvarn.cu")),

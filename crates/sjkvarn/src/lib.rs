@@ -9,6 +9,8 @@ pub mod balance;
 pub mod bitpack;
 pub mod body;
 pub mod cache;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod ggml;

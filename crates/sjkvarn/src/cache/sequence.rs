@@ -109,8 +109,54 @@ pub fn sealed_groups_at(config: &CacheConfig, len: usize) -> usize {
 }
 
 /// The group index a seal at length `len` seals up to (exclusive).
-fn seal_target(config: &CacheConfig, len: usize, sealed: usize) -> usize {
+pub fn seal_target(config: &CacheConfig, len: usize, sealed: usize) -> usize {
     sealed.max(len.saturating_sub(config.min_tail + SINK) / GROUP)
+}
+
+/// The chunks an append of `n` tokens at length `start` runs as: `(tokens, seal target before
+/// the chunk)`. A seal runs before any chunk that would take the unsealed span past
+/// `max_tail`; chunks are at most `max_chunk` long. Shared by every backend.
+pub fn plan_append(
+    config: &CacheConfig,
+    start: usize,
+    sealed: usize,
+    n: usize,
+) -> Vec<(usize, usize)> {
+    let mut plan = Vec::new();
+    let (mut len, mut sealed) = (start, sealed);
+    while len < start + n {
+        let unsealed = len.saturating_sub(SINK + GROUP * sealed);
+        let sink_room = SINK.saturating_sub(len);
+        let mut take = (start + n - len).min(config.max_chunk);
+        let mut target = sealed;
+        if take > sink_room && unsealed + (take - sink_room) > config.max_tail {
+            target = seal_target(config, len, sealed);
+            let after = len.saturating_sub(SINK + GROUP * target);
+            take = take.min(config.max_tail - after + sink_room).max(1);
+        }
+        plan.push((take, target));
+        sealed = target;
+        len += take;
+    }
+    plan
+}
+
+/// `(len, sealed)` of a layer holding `len` tokens with `sealed` groups after `truncate(n)`.
+pub fn truncated_state(
+    config: &CacheConfig,
+    len: usize,
+    sealed: usize,
+    n: usize,
+) -> (usize, usize) {
+    if n >= len {
+        return (len, sealed);
+    }
+    let keep = sealed_groups_at(config, n);
+    if keep < sealed {
+        (n.min(SINK + GROUP * keep), keep)
+    } else {
+        (n, sealed)
+    }
 }
 
 impl Sequence {
@@ -294,22 +340,8 @@ impl Sequence {
         }
 
         // 2. Plan the chunks and seals; reserve every slot they need up front.
-        let mut plan = Vec::new(); // (tokens in chunk, seal target before it)
-        let (mut len, mut sealed) = (start, l.sealed);
-        while len < start + n {
-            let unsealed = len.saturating_sub(SINK + GROUP * sealed);
-            let sink_room = SINK.saturating_sub(len);
-            let mut take = (start + n - len).min(cfg.max_chunk);
-            let mut target = sealed;
-            if take > sink_room && unsealed + (take - sink_room) > cfg.max_tail {
-                target = seal_target(&cfg, len, sealed);
-                let after = len.saturating_sub(SINK + GROUP * target);
-                take = take.min(cfg.max_tail - after + sink_room).max(1);
-            }
-            plan.push((take, target));
-            sealed = target;
-            len += take;
-        }
+        let plan = plan_append(&cfg, start, l.sealed, n);
+        let sealed = plan.last().map_or(l.sealed, |&(_, target)| target);
         let needed = sealed - l.sealed;
         let mut slots = self.pool.reserve(needed)?.into_iter();
 
@@ -435,20 +467,18 @@ impl Sequence {
     /// position `n` (rejected speculative tokens in the ring); otherwise the groups the seal
     /// rule would not yet have sealed are dropped and `reprocess_from` is the first one's start.
     pub fn truncate(&mut self, n: usize) -> CacheResult<usize> {
-        let keep = sealed_groups_at(&self.config, n);
         let mut reprocess = n;
         for l in self.layers.iter_mut() {
             if n >= l.len {
                 continue;
             }
-            if keep < l.sealed {
-                let dropped: Vec<SlotId> = l.blocks.split_off(keep);
+            let (len, sealed) = truncated_state(&self.config, l.len, l.sealed, n);
+            if sealed < l.sealed {
+                let dropped: Vec<SlotId> = l.blocks.split_off(sealed);
                 self.pool.release(&dropped);
-                l.sealed = keep;
-                l.len = n.min(SINK + GROUP * keep);
-            } else {
-                l.len = n;
+                l.sealed = sealed;
             }
+            l.len = len;
             reprocess = reprocess.min(l.len);
         }
         Ok(reprocess)
@@ -539,35 +569,51 @@ impl Sequence {
 
     /// Allocated bytes per region and occupied effective bits per value.
     pub fn memory(&self) -> MemoryReport {
-        let cfg = &self.config;
-        let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
-        let sink_bytes = cfg.layers * SINK * per_pos_values * 2;
+        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
         let ring_bytes = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
-        let (mut bits, mut values) = (0.0f64, 0.0f64);
-        let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
-        for (i, l) in self.layers.iter().enumerate() {
-            let spec = cfg.body_spec(i);
-            let sink = l.len.min(SINK);
-            let body = l.sealed * GROUP;
-            let ring = l.len - sink - body;
-            bits += sink as f64 * 16.0
-                + body as f64 * spec.bits_per_value()
-                + ring as f64 * self.rows.bits_per_value();
-            values += l.len as f64;
-            sealed_tokens += body;
-            ring_tokens += ring;
-            sink_tokens += sink;
-        }
-        MemoryReport {
-            sink_bytes,
+        memory_report(
+            &self.config,
+            &lens,
             ring_bytes,
-            body_bytes: slots * self.pool.slot_bytes(),
-            tokens: self.layers.first().map_or(0, |l| l.len),
-            sealed_tokens,
-            ring_tokens,
-            sink_tokens,
-            effective_bits: if values > 0.0 { bits / values } else { 0.0 },
-        }
+            slots * self.pool.slot_bytes(),
+        )
+    }
+}
+
+/// The memory report of a journal whose layers hold `(len, sealed)` (any backend).
+pub fn memory_report(
+    cfg: &CacheConfig,
+    layers: &[(usize, usize)],
+    ring_bytes: usize,
+    body_bytes: usize,
+) -> MemoryReport {
+    let rows = RowCodec::new(cfg.staging, cfg.head_dim);
+    let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
+    let sink_bytes = cfg.layers * SINK * per_pos_values * 2;
+    let (mut bits, mut values) = (0.0f64, 0.0f64);
+    let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
+    for (i, &(len, sealed)) in layers.iter().enumerate() {
+        let spec = cfg.body_spec(i);
+        let sink = len.min(SINK);
+        let body = sealed * GROUP;
+        let ring = len - sink - body;
+        bits += sink as f64 * 16.0
+            + body as f64 * spec.bits_per_value()
+            + ring as f64 * rows.bits_per_value();
+        values += len as f64;
+        sealed_tokens += body;
+        ring_tokens += ring;
+        sink_tokens += sink;
+    }
+    MemoryReport {
+        sink_bytes,
+        ring_bytes,
+        body_bytes,
+        tokens: layers.first().map_or(0, |l| l.0),
+        sealed_tokens,
+        ring_tokens,
+        sink_tokens,
+        effective_bits: if values > 0.0 { bits / values } else { 0.0 },
     }
 }

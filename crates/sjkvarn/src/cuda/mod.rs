@@ -1,0 +1,92 @@
+//! CUDA backend (feature `cuda`): the journal of [`crate::cache::Sequence`] with its bytes in
+//! device memory, driven by the kernels in `cuda/` (compiled with NVRTC at first use).
+//!
+//! `libcuda` and `libnvrtc` are loaded at run time, so the crate builds and every CPU path runs
+//! on machines with no CUDA at all; [`availability`] says why the backend cannot run there.
+//! The CPU path is the reference: device records are byte-identical to CPU records for scalar
+//! bodies and snapshots cross between the two ([`DeviceSequence::to_host`],
+//! [`DeviceSequence::from_host`]).
+
+mod kernels;
+mod sequence;
+
+pub use kernels::{compile_ptx, kernel_cache_dir, KERNEL_ARCHES};
+pub use sequence::{DevicePool, DeviceSequence, ExternalStream};
+
+use crate::cache::CacheError;
+
+/// Everything that can go wrong on the CUDA backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No driver, no GPU or no NVRTC: the backend cannot run on this machine.
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA driver error: {0}")]
+    Driver(String),
+    #[error("NVRTC could not compile the sjkvarn kernels for {arch}:\n{log}")]
+    Compile { arch: String, log: String },
+    /// A configuration or input the device path does not implement.
+    #[error("not supported on the CUDA backend: {0}")]
+    Unsupported(String),
+    /// A kernel refused its input (non-finite values, an fp16 overflow); nothing changed.
+    #[error("{0}")]
+    Rejected(String),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(e.to_string())
+    }
+}
+
+pub type CudaResult<T> = std::result::Result<T, CudaError>;
+
+/// What the backend found on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_memory: usize,
+    pub devices: usize,
+}
+
+/// Whether the backend can run on device `ordinal`: Ok with what it found, or the reason.
+/// Never panics, whatever is (not) installed.
+pub fn availability(ordinal: usize) -> CudaResult<DeviceInfo> {
+    // SAFETY: probing for the shared library only loads it; no CUDA call is made.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "the CUDA driver library (libcuda.so) was not found; no NVIDIA driver is installed"
+                .into(),
+        ));
+    }
+    // SAFETY: as above, for libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "NVRTC (libnvrtc.so.13) was not found: install the `nvidia-cuda-nvrtc` wheel or put \
+             a CUDA 13 toolkit's lib folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    cudarc::driver::result::init()
+        .map_err(|e| CudaError::Unavailable(format!("the CUDA driver did not start: {e}")))?;
+    let devices = cudarc::driver::CudaContext::device_count()
+        .map_err(|e| CudaError::Unavailable(format!("no CUDA device: {e}")))?
+        as usize;
+    if ordinal >= devices {
+        return Err(CudaError::Unavailable(format!(
+            "CUDA device {ordinal} requested, {devices} present"
+        )));
+    }
+    let ctx = cudarc::driver::CudaContext::new(ordinal)?;
+    Ok(DeviceInfo {
+        ordinal,
+        name: ctx.name()?,
+        compute_capability: ctx.compute_capability()?,
+        total_memory: ctx.total_mem()?,
+        devices,
+    })
+}

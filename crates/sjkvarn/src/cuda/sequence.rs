@@ -1,0 +1,738 @@
+//! A sequence whose journal bytes live in device memory. The journal rule, planning and
+//! accounting are the CPU's own functions ([`plan_append`], [`truncated_state`],
+//! [`memory_report`]); only the bytes and the kernels differ.
+//!
+//! Ordering: every sequence of a [`DevicePool`] runs on the pool's stream, so seals, ring writes
+//! and attention of sequences sharing records are ordered. Callers that produce inputs or read
+//! outputs on another stream (torch's current stream) pass it as [`ExternalStream`]: sjkvarn's
+//! stream waits for an event recorded on it before reading the inputs, and it waits for an event
+//! recorded on sjkvarn's stream before it may read the outputs.
+
+use super::kernels::Kernels;
+use super::{CudaError, CudaResult};
+use crate::cache::pool::SlotId;
+use crate::cache::sequence::{
+    memory_report, plan_append, seal_target, truncated_state, LayerImage, MemoryReport,
+};
+use crate::cache::staging::RowCodec;
+use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
+use crate::kernel_abi::{attend_shared_floats, seal_scratch_bytes, KernelBalance, KernelLayerView};
+use crate::GROUP;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+/// A raw `CUstream` owned by someone else (torch's `current_stream().cuda_stream`); 0 is the
+/// legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExternalStream(pub u64);
+
+/// Record slots in one device arena shared by sequences, plus the constant tables.
+pub struct DevicePool {
+    kernels: Arc<Kernels>,
+    stream: Arc<CudaStream>,
+    slots: Arc<RecordPool>,
+    /// Slot-major record bytes. Locked only to take its address or copy into a reserved slot;
+    /// every access is ordered on the pool's single stream.
+    arena: Mutex<CudaSlice<u8>>,
+    tq_table: CudaSlice<f32>,
+    /// Trellis codebooks for 2, 3 and 4 bits (read by attention over trellis records).
+    codebooks: Vec<CudaSlice<f32>>,
+    sms: usize,
+}
+
+fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+impl DevicePool {
+    /// A pool on device `ordinal` with `capacity` slots of `slot_bytes`.
+    pub fn new(ordinal: usize, slot_bytes: usize, capacity: usize) -> CudaResult<Arc<Self>> {
+        let kernels = Kernels::get(ordinal)?;
+        let stream = kernels.ctx.new_stream()?;
+        let arena = stream.alloc_zeros::<u8>((slot_bytes * capacity).max(1))?;
+        let table = crate::lloyd_max::gaussian_table(6).expect("the 6-bit table ships");
+        let tq_table = stream.clone_htod(table)?;
+        let codebooks = (2..=4)
+            .map(|b| {
+                let cb = crate::trellis::shipped(b).expect("2..4-bit codebooks ship");
+                Ok(stream.clone_htod(cb.values())?)
+            })
+            .collect::<CudaResult<Vec<_>>>()?;
+        let sms = kernels
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )?
+            .max(1) as usize;
+        Ok(Arc::new(Self {
+            slots: RecordPool::new(slot_bytes, capacity),
+            kernels,
+            stream,
+            arena: Mutex::new(arena),
+            tq_table,
+            codebooks,
+            sms,
+        }))
+    }
+
+    /// A pool sized for `sequences` sequences of `config` at `max_tokens`.
+    pub fn for_config(
+        ordinal: usize,
+        config: &CacheConfig,
+        sequences: usize,
+    ) -> CudaResult<Arc<Self>> {
+        Self::new(
+            ordinal,
+            config.slot_bytes(),
+            config.slots_per_sequence() * sequences.max(1),
+        )
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slots.slot_bytes()
+    }
+
+    /// Slot allocator statistics (the same counters as the CPU pool).
+    pub fn stats(&self) -> crate::cache::pool::PoolStats {
+        self.slots.stats()
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn arena(&self) -> std::sync::MutexGuard<'_, CudaSlice<u8>> {
+        self.arena.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn arena_ptr(&self) -> u64 {
+        dptr(&self.arena(), &self.stream)
+    }
+
+    /// Makes the pool's stream wait for work already queued on `ext`.
+    fn after(&self, ext: Option<ExternalStream>) -> CudaResult<()> {
+        if let Some(ExternalStream(raw)) = ext {
+            // SAFETY: the caller hands us a live stream of this device's primary context
+            // (torch's current stream); the wrapper is dropped before this call returns.
+            let other = unsafe { self.kernels.ctx.wrap_borrowed_stream(raw as _) };
+            let ev = other.record_event(None)?;
+            self.stream.wait(&ev)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `ext` wait for everything queued on the pool's stream so far.
+    fn before(&self, ext: Option<ExternalStream>) -> CudaResult<()> {
+        if let Some(ExternalStream(raw)) = ext {
+            // SAFETY: as in `after`.
+            let other = unsafe { self.kernels.ctx.wrap_borrowed_stream(raw as _) };
+            let ev = self.stream.record_event(None)?;
+            other.wait(&ev)?;
+        }
+        Ok(())
+    }
+
+    fn read_status(&self, status: &CudaSlice<i32>) -> CudaResult<i32> {
+        let mut host = [0i32; 1];
+        self.stream.memcpy_dtoh(status, &mut host)?;
+        Ok(host[0])
+    }
+}
+
+struct DeviceLayer {
+    len: usize,
+    sealed: usize,
+    sink_k: CudaSlice<u16>,
+    sink_v: CudaSlice<u16>,
+    ring: CudaSlice<u8>,
+    blocks: Vec<SlotId>,
+    /// The block table on the device (capacity: every group of `max_tokens`).
+    blocks_dev: CudaSlice<u32>,
+}
+
+/// One sequence with its journal on the device. Dropping it returns its slots to the pool.
+pub struct DeviceSequence {
+    config: Arc<CacheConfig>,
+    pool: Arc<DevicePool>,
+    rows: RowCodec,
+    layers: Vec<DeviceLayer>,
+}
+
+impl Drop for DeviceSequence {
+    fn drop(&mut self) {
+        for l in &self.layers {
+            self.pool.slots.release(&l.blocks);
+        }
+    }
+}
+
+fn kernel_error(code: i32, what: &str) -> CudaError {
+    match code {
+        1 => CudaError::Rejected(format!(
+            "{what}: input holds NaN or Inf; nothing was appended"
+        )),
+        2 => CudaError::Rejected(format!(
+            "{what}: a value or scale does not fit fp16; nothing was changed"
+        )),
+        other => CudaError::Driver(format!("{what}: kernel status {other}")),
+    }
+}
+
+impl DeviceSequence {
+    /// An empty sequence on the pool's device. The device path implements `tq6_0` staging,
+    /// scalar bodies and query groups with a kernel; anything else is refused here, up front.
+    pub fn new(config: Arc<CacheConfig>, pool: Arc<DevicePool>) -> CudaResult<Self> {
+        config.validate()?;
+        if config.staging != Staging::Tq6 {
+            return Err(CudaError::Unsupported(format!(
+                "staging {:?} (the device ring is tq6_0)",
+                config.staging
+            )));
+        }
+        for layer in 0..config.layers {
+            let spec = config.body_spec(layer);
+            if spec.k_coding != crate::body::BodyCoding::Scalar
+                || spec.v_coding != crate::body::BodyCoding::Scalar
+            {
+                return Err(CudaError::Unsupported(format!(
+                    "layer {layer} uses a trellis body; the device seal is scalar only so far"
+                )));
+            }
+        }
+        pool.kernels.attend(config.group_size())?;
+        if pool.slot_bytes() < config.slot_bytes() {
+            return Err(CacheError::InvalidConfig(format!(
+                "pool slots of {} bytes are smaller than this configuration's {} bytes",
+                pool.slot_bytes(),
+                config.slot_bytes()
+            ))
+            .into());
+        }
+        let rows = RowCodec::new(config.staging, config.head_dim);
+        let per_pos = config.kv_heads * config.head_dim;
+        let ring_bytes = config.ring_rows() * config.kv_heads * 2 * rows.row_bytes();
+        let max_groups = config
+            .max_tokens
+            .saturating_sub(SINK)
+            .div_ceil(GROUP)
+            .max(1);
+        let s = &pool.stream;
+        let layers = (0..config.layers)
+            .map(|_| {
+                Ok(DeviceLayer {
+                    len: 0,
+                    sealed: 0,
+                    sink_k: s.alloc_zeros::<u16>(SINK * per_pos)?,
+                    sink_v: s.alloc_zeros::<u16>(SINK * per_pos)?,
+                    ring: s.alloc_zeros::<u8>(ring_bytes)?,
+                    blocks: Vec::new(),
+                    blocks_dev: s.alloc_zeros::<u32>(max_groups)?,
+                })
+            })
+            .collect::<CudaResult<Vec<_>>>()?;
+        Ok(Self {
+            config,
+            pool,
+            rows,
+            layers,
+        })
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &Arc<DevicePool> {
+        &self.pool
+    }
+
+    fn layer(&self, layer: usize) -> CudaResult<&DeviceLayer> {
+        self.layers.get(layer).ok_or_else(|| {
+            CacheError::LayerOutOfRange {
+                layer,
+                layers: self.config.layers,
+            }
+            .into()
+        })
+    }
+
+    /// Tokens held by `layer`.
+    pub fn len(&self, layer: usize) -> CudaResult<usize> {
+        Ok(self.layer(layer)?.len)
+    }
+
+    /// Sealed groups of `layer`.
+    pub fn sealed_groups(&self, layer: usize) -> CudaResult<usize> {
+        Ok(self.layer(layer)?.sealed)
+    }
+
+    /// The kernels' view of `layer`.
+    fn view(&self, layer: usize) -> KernelLayerView {
+        let l = &self.layers[layer];
+        let s = &self.pool.stream;
+        let spec = self.config.body_spec(layer);
+        let codebook = |bits: u32| {
+            self.pool
+                .codebooks
+                .get((bits as usize).wrapping_sub(2))
+                .map_or(0, |c| dptr(c, s))
+        };
+        let mut v = KernelLayerView::describe(&self.config, layer, l.len, l.sealed);
+        v.sink_k = dptr(&l.sink_k, s);
+        v.sink_v = dptr(&l.sink_v, s);
+        v.ring = dptr(&l.ring, s);
+        v.pool = self.pool.arena_ptr();
+        v.blocks = dptr(&l.blocks_dev, s);
+        v.tq_table = dptr(&self.pool.tq_table, s);
+        v.k_codebook = codebook(spec.k_bits);
+        v.v_codebook = codebook(spec.v_bits);
+        v.slot_bytes = self.pool.slot_bytes() as u64;
+        v
+    }
+
+    /// Appends `n` tokens of post-RoPE K and V from device memory (`[n][kv_heads][head_dim]`
+    /// f32, contiguous, model frame), sealing as the journal rule says. On error nothing changes.
+    ///
+    /// # Safety
+    /// `k` and `v` must point to `n * kv_heads * head_dim` readable f32 on this pool's device,
+    /// valid until the work queued here has run (order it with `ext`).
+    pub unsafe fn append_raw(
+        &mut self,
+        layer: usize,
+        k: u64,
+        v: u64,
+        n: usize,
+        ext: Option<ExternalStream>,
+    ) -> CudaResult<()> {
+        let cfg = self.config.clone();
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let start = self.layer(layer)?.len;
+        let sealed0 = self.layers[layer].sealed;
+        if n == 0 {
+            return Ok(());
+        }
+        if start + n > cfg.max_tokens {
+            return Err(CacheError::TooLong {
+                len: start,
+                adding: n,
+                max: cfg.max_tokens,
+            }
+            .into());
+        }
+        let pool = self.pool.clone();
+        let s = &pool.stream;
+        pool.after(ext)?;
+
+        // 1. Stage every row into scratch (the only step that can reject the input).
+        let rb = self.rows.row_bytes();
+        let sink_tokens = SINK.saturating_sub(start).min(n);
+        let ring_tokens = (start + n).saturating_sub(SINK.max(start));
+        let staged = s.alloc_zeros::<u8>((ring_tokens * h * 2 * rb).max(1))?;
+        let sink_out = s.alloc_zeros::<u16>((2 * sink_tokens * h * d).max(1))?;
+        let status = s.alloc_zeros::<i32>(1)?;
+        let (start_i, h_i, d_i, sink_i) = (start as i32, h as i32, d as i32, sink_tokens as i32);
+        let mut launch = s.launch_builder(&pool.kernels.append);
+        launch
+            .arg(&k)
+            .arg(&v)
+            .arg(&start_i)
+            .arg(&h_i)
+            .arg(&d_i)
+            .arg(&pool.tq_table)
+            .arg(&staged)
+            .arg(&sink_out)
+            .arg(&sink_i)
+            .arg(&status);
+        // SAFETY: argument list matches `sj_append_stage`; the scratch buffers have the sizes
+        // the kernel indexes (ring_tokens and sink_tokens rows), inputs are the caller's.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (n as u32, h as u32, 2),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        let code = pool.read_status(&status)?;
+        if code != 0 {
+            return Err(kernel_error(code, "append"));
+        }
+
+        // 2. Plan chunks and seals; reserve every slot up front.
+        let plan = plan_append(&cfg, start, sealed0, n);
+        let needed = plan.last().map_or(sealed0, |&(_, t)| t) - sealed0;
+        let mut slots = pool.slots.reserve(needed)?.into_iter();
+
+        // 3. Execute: seals, then ring and sink writes, chunk by chunk.
+        let per_tok = h * d;
+        let ring_rows = cfg.ring_rows();
+        let mut written = 0usize;
+        for (take, target) in plan {
+            let from = self.layers[layer].sealed;
+            if target > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
+                if let Err(e) = self.seal_groups(layer, from, target, &ids) {
+                    pool.slots.release(&ids);
+                    pool.slots.release(&slots.collect::<Vec<_>>());
+                    return Err(e);
+                }
+            }
+            let (lo, hi) = (start + written, start + written + take);
+            let l = &mut self.layers[layer];
+            // Sink positions.
+            if lo < SINK {
+                let (a, b) = (lo, hi.min(SINK));
+                let src = (a - start) * per_tok..(b - start) * per_tok;
+                let dst = a * per_tok..b * per_tok;
+                s.memcpy_dtod(
+                    &sink_out.slice(src.clone()),
+                    &mut l.sink_k.slice_mut(dst.clone()),
+                )?;
+                let off = sink_tokens * per_tok;
+                s.memcpy_dtod(
+                    &sink_out.slice(src.start + off..src.end + off),
+                    &mut l.sink_v.slice_mut(dst),
+                )?;
+            }
+            // Ring positions, in at most two pieces around the wrap.
+            let mut pos = lo.max(SINK);
+            while pos < hi {
+                let idx = (pos - SINK) % ring_rows;
+                let count = (hi - pos).min(ring_rows - idx);
+                let row_bytes = h * 2 * rb;
+                let src = (pos - SINK.max(start)) * row_bytes;
+                s.memcpy_dtod(
+                    &staged.slice(src..src + count * row_bytes),
+                    &mut l.ring.slice_mut(idx * row_bytes..(idx + count) * row_bytes),
+                )?;
+                pos += count;
+            }
+            l.len = hi;
+            written += take;
+        }
+        pool.before(ext)?;
+        Ok(())
+    }
+
+    /// [`append_raw`](Self::append_raw) from host slices (tests, benchmarks, the CPU bridge).
+    pub fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> CudaResult<()> {
+        let per_tok = self.config.kv_heads * self.config.head_dim;
+        if k.len() % per_tok != 0 || v.len() != k.len() {
+            return Err(CacheError::Shape {
+                what: "append k/v",
+                expected: format!(
+                    "[tokens, {}, {}] for both",
+                    self.config.kv_heads, self.config.head_dim
+                ),
+                got: format!("{} and {} values", k.len(), v.len()),
+            }
+            .into());
+        }
+        let s = self.pool.stream.clone();
+        let kd = s.clone_htod(k)?;
+        let vd = s.clone_htod(v)?;
+        let (kp, vp) = (dptr(&kd, &s), dptr(&vd, &s));
+        // SAFETY: kd/vd hold exactly n rows and live until the stream has run the append
+        // (the status read inside synchronises the stream).
+        let r = unsafe { self.append_raw(layer, kp, vp, k.len() / per_tok, None) };
+        s.synchronize()?;
+        r
+    }
+
+    /// Seals groups `from..to` of `layer` into `slots` (reserved, one per group).
+    fn seal_groups(
+        &mut self,
+        layer: usize,
+        from: usize,
+        to: usize,
+        slots: &[SlotId],
+    ) -> CudaResult<()> {
+        let pool = self.pool.clone();
+        let s = &pool.stream;
+        let view = self.view(layer);
+        let count = to - from;
+        let groups: Vec<u32> = (from as u32..to as u32).collect();
+        let ids: Vec<u32> = slots.to_vec();
+        let groups_dev = s.clone_htod(&groups)?;
+        let slots_dev = s.clone_htod(&ids)?;
+        let halves = view.rec.halves as usize;
+        let blocks = count * self.config.kv_heads * halves;
+        let workspace =
+            s.alloc_zeros::<u8>(blocks * seal_scratch_bytes(view.rec.width as usize))?;
+        let status = s.alloc_zeros::<i32>(1)?;
+        let balance = KernelBalance::of(&self.config.balance);
+        let arena = pool.arena_ptr();
+        let mut launch = s.launch_builder(&pool.kernels.seal);
+        launch
+            .arg(&view)
+            .arg(&groups_dev)
+            .arg(&slots_dev)
+            .arg(&arena)
+            .arg(&balance)
+            .arg(&workspace)
+            .arg(&status);
+        // SAFETY: argument list matches `sj_seal_scalar`; the workspace holds one scratch per
+        // block; slot ids are reserved slots of this arena; the groups' rows are in the ring.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (count as u32, self.config.kv_heads as u32, halves as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        let code = pool.read_status(&status)?;
+        if code != 0 {
+            return Err(kernel_error(code, "seal"));
+        }
+        let l = &mut self.layers[layer];
+        l.blocks.extend_from_slice(slots);
+        l.sealed = to;
+        upload_blocks(s, l)?;
+        Ok(())
+    }
+
+    /// Seals every layer back to `min_tail` unsealed tokens (between requests).
+    pub fn seal_idle(&mut self) -> CudaResult<()> {
+        let needed: usize = self
+            .layers
+            .iter()
+            .map(|l| seal_target(&self.config, l.len, l.sealed) - l.sealed)
+            .sum();
+        let pool = self.pool.clone();
+        let mut slots = pool.slots.reserve(needed)?.into_iter();
+        for layer in 0..self.layers.len() {
+            let (from, len) = (self.layers[layer].sealed, self.layers[layer].len);
+            let to = seal_target(&self.config, len, from);
+            if to > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
+                if let Err(e) = self.seal_groups(layer, from, to, &ids) {
+                    pool.slots.release(&ids);
+                    pool.slots.release(&slots.collect::<Vec<_>>());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of `n` query rows (`[n][q_heads][head_dim]` f32, contiguous, model frame, the
+    /// last `n` positions of `layer`) into `out` (same shape), causal over what was appended.
+    ///
+    /// # Safety
+    /// `q` and `out` must point to `n * q_heads * head_dim` f32 on this pool's device, valid
+    /// until the queued work has run (order it with `ext`).
+    pub unsafe fn attend_raw(
+        &self,
+        layer: usize,
+        q: u64,
+        n: usize,
+        out: u64,
+        scale: Option<f32>,
+        ext: Option<ExternalStream>,
+    ) -> CudaResult<()> {
+        let cfg = &self.config;
+        let l = self.layer(layer)?;
+        if n == 0 || n > l.len {
+            return Err(CacheError::Position {
+                position: n,
+                len: l.len,
+            }
+            .into());
+        }
+        let scale = scale.unwrap_or(1.0 / (cfg.head_dim as f32).sqrt());
+        if !scale.is_finite() {
+            return Err(CudaError::Rejected("attention scale is not finite".into()));
+        }
+        let pool = &self.pool;
+        let s = &pool.stream;
+        pool.after(ext)?;
+        let (qh, kvh, d, gs) = (cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.group_size());
+        let view = self.view(layer);
+        let nb = cache_blocks(l.len, l.sealed);
+        // Enough splits for two blocks per SM, none empty.
+        let want = (2 * pool.sms).div_ceil(kvh * n).max(1);
+        let per = nb.div_ceil(want.min(nb).max(1)).max(1);
+        let splits = nb.div_ceil(per).max(1);
+        let states = n * splits * qh;
+        let pmax = s.alloc_zeros::<f32>(states)?;
+        let psum = s.alloc_zeros::<f32>(states)?;
+        let pplain = s.alloc_zeros::<f32>(states * d)?;
+        let prot = s.alloc_zeros::<f32>(states * d)?;
+        let func = pool.kernels.attend(gs)?;
+        let smem = (attend_shared_floats(gs, d) * 4) as u32;
+        if smem > 48 * 1024 {
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let (qh_i, base_i, per_i) = (qh as i32, (l.len - n) as i32, per as i32);
+        let mut launch = s.launch_builder(func);
+        launch
+            .arg(&view)
+            .arg(&q)
+            .arg(&qh_i)
+            .arg(&base_i)
+            .arg(&scale)
+            .arg(&per_i)
+            .arg(&pmax)
+            .arg(&psum)
+            .arg(&pplain)
+            .arg(&prot);
+        // SAFETY: argument list matches `sj_attend_gs{gs}`; partial buffers hold
+        // rows x splits x q_heads states; the view's buffers belong to this sequence.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (kvh as u32, splits as u32, n as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem,
+            })
+        }?;
+        let (splits_i, d_i) = (splits as i32, d as i32);
+        let mut merge = s.launch_builder(&pool.kernels.merge);
+        merge
+            .arg(&pmax)
+            .arg(&psum)
+            .arg(&pplain)
+            .arg(&prot)
+            .arg(&splits_i)
+            .arg(&qh_i)
+            .arg(&d_i)
+            .arg(&out);
+        // SAFETY: argument list matches `sj_attend_merge`; `out` is the caller's n x qh x d.
+        unsafe {
+            merge.launch(LaunchConfig {
+                grid_dim: (n as u32, qh as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        pool.before(ext)?;
+        Ok(())
+    }
+
+    /// [`attend_raw`](Self::attend_raw) from and to host memory.
+    pub fn attend_host(&self, layer: usize, q: &[f32], scale: Option<f32>) -> CudaResult<Vec<f32>> {
+        let per = self.config.q_heads * self.config.head_dim;
+        if q.is_empty() || q.len() % per != 0 {
+            return Err(CacheError::Shape {
+                what: "attend q",
+                expected: format!(
+                    "[tokens, {}, {}]",
+                    self.config.q_heads, self.config.head_dim
+                ),
+                got: format!("{} values", q.len()),
+            }
+            .into());
+        }
+        crate::error::check_finite(q).map_err(CacheError::from)?;
+        let s = self.pool.stream.clone();
+        let qd = s.clone_htod(q)?;
+        let out = s.alloc_zeros::<f32>(q.len())?;
+        let (qp, op) = (dptr(&qd, &s), dptr(&out, &s));
+        // SAFETY: qd and out hold n rows and outlive the queued work (copied back below).
+        unsafe { self.attend_raw(layer, qp, q.len() / per, op, scale, None) }?;
+        Ok(s.clone_dtoh(&out)?)
+    }
+
+    /// Keeps the first `n` tokens of every layer; returns `reprocess_from` as the CPU does.
+    pub fn truncate(&mut self, n: usize) -> CudaResult<usize> {
+        let mut reprocess = n;
+        let s = self.pool.stream.clone();
+        for l in self.layers.iter_mut() {
+            if n >= l.len {
+                continue;
+            }
+            let (len, sealed) = truncated_state(&self.config, l.len, l.sealed, n);
+            if sealed < l.sealed {
+                let dropped = l.blocks.split_off(sealed);
+                self.pool.slots.release(&dropped);
+                l.sealed = sealed;
+                upload_blocks(&s, l)?;
+            }
+            l.len = len;
+            reprocess = reprocess.min(len);
+        }
+        Ok(reprocess)
+    }
+
+    /// Allocated bytes per region and occupied bits per value (the CPU's accounting).
+    pub fn memory(&self) -> MemoryReport {
+        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
+        let ring = self.layers.iter().map(|l| l.ring.len()).sum();
+        let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
+        memory_report(&self.config, &lens, ring, slots * self.pool.slot_bytes())
+    }
+
+    /// A CPU sequence with the same bytes (for snapshots, or to compare with the reference).
+    pub fn to_host(&self, pool: Arc<RecordPool>) -> CudaResult<Sequence> {
+        let s = &self.pool.stream;
+        let slot = self.config.slot_bytes();
+        let mut images = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let mut records = vec![0u8; l.blocks.len() * slot];
+            for (dst, &id) in records.chunks_exact_mut(slot).zip(&l.blocks) {
+                let at = id as usize * self.pool.slot_bytes();
+                s.memcpy_dtoh(&self.pool.arena().slice(at..at + slot), dst)?;
+            }
+            images.push(LayerImage {
+                len: l.len,
+                sealed: l.sealed,
+                sink_k: s.clone_dtoh(&l.sink_k)?,
+                sink_v: s.clone_dtoh(&l.sink_v)?,
+                ring: s.clone_dtoh(&l.ring)?,
+                records,
+            });
+        }
+        Ok(Sequence::from_images(self.config.clone(), pool, &images)?)
+    }
+
+    /// A device sequence with the bytes of a CPU sequence.
+    pub fn from_host(seq: &Sequence, pool: Arc<DevicePool>) -> CudaResult<Self> {
+        let config = Arc::new(seq.config().clone());
+        let mut dev = DeviceSequence::new(config.clone(), pool.clone())?;
+        let slot = config.slot_bytes();
+        let total: usize = (0..config.layers)
+            .map(|i| seq.sealed_groups(i).unwrap_or(0))
+            .sum();
+        let mut ids = pool.slots.reserve(total)?.into_iter();
+        let s = pool.stream.clone();
+        for (i, l) in dev.layers.iter_mut().enumerate() {
+            let img = seq.layer_image(i)?;
+            s.memcpy_htod(&img.sink_k, &mut l.sink_k)?;
+            s.memcpy_htod(&img.sink_v, &mut l.sink_v)?;
+            s.memcpy_htod(&img.ring, &mut l.ring)?;
+            for rec in img.records.chunks_exact(slot) {
+                let id = ids.next().expect("reserved one slot per sealed group");
+                let at = id as usize * pool.slot_bytes();
+                s.memcpy_htod(rec, &mut pool.arena().slice_mut(at..at + slot))?;
+                l.blocks.push(id);
+            }
+            l.len = img.len;
+            l.sealed = img.sealed;
+            upload_blocks(&s, l)?;
+        }
+        s.synchronize()?;
+        Ok(dev)
+    }
+}
+
+fn upload_blocks(s: &Arc<CudaStream>, l: &mut DeviceLayer) -> CudaResult<()> {
+    if !l.blocks.is_empty() {
+        let ids: Vec<u32> = l.blocks.clone();
+        s.memcpy_htod(&ids, &mut l.blocks_dev.slice_mut(0..ids.len()))?;
+    }
+    Ok(())
+}
+
+/// `sj_cache_blocks`: sink, sealed groups, ring blocks of up to 128 positions.
+fn cache_blocks(len: usize, sealed: usize) -> usize {
+    if len == 0 {
+        0
+    } else if len <= SINK {
+        1
+    } else {
+        let ring = len - (SINK + GROUP * sealed);
+        1 + sealed + ring.div_ceil(GROUP)
+    }
+}
