@@ -7,6 +7,7 @@
 #pragma once
 #include "sj_common.cuh"
 #include "sj_layer.cuh"
+#include "sj_trellis.cuh"
 
 #define SJ_LANES 8
 #define SJ_STAT_STD 0
@@ -266,7 +267,11 @@ struct SjSealScratch {
     sj_u16* meta;    // 3r + 3 GROUP fp16 values, in record order
     double* balance; // sj_balance_scratch_doubles(max(r, GROUP), max(r, GROUP))
     int* status;     // 1
+    sj_u8* trellis;  // sj_trellis_scratch_bytes(max(r, GROUP), max(r, GROUP), SJ_SEAL_GROUPS)
 };
+
+// Viterbi lane groups one seal block may run (256 lanes / 64 states).
+#define SJ_SEAL_GROUPS 4
 
 SJ_HD sj_u64 sj_seal_scratch_bytes(int width) {
     int big = width > SJ_GROUP ? width : SJ_GROUP;
@@ -276,7 +281,9 @@ SJ_HD sj_u64 sj_seal_scratch_bytes(int width) {
     bytes += (sj_u64)width * SJ_GROUP;
     bytes += 2u * (sj_u64)(3 * width + 3 * SJ_GROUP);
     bytes += 16u;
-    return (bytes + 255u) / 256u * 256u;
+    bytes = (bytes + 255u) / 256u * 256u;
+    bytes += (sj_trellis_scratch_bytes(big, big, SJ_SEAL_GROUPS) + 255u) / 256u * 256u;
+    return bytes;
 }
 
 SJ_HD SjSealScratch sj_seal_scratch(sj_u8* base, int width) {
@@ -293,14 +300,31 @@ SJ_HD SjSealScratch sj_seal_scratch(sj_u8* base, int width) {
     s.meta = (sj_u16*)base;
     base += 2u * (sj_u64)(3 * width + 3 * SJ_GROUP);
     s.codes = base;
+    base += (sj_u64)width * SJ_GROUP;
+    base = (sj_u8*)(((sj_u64)base + 255u) / 256u * 256u);
+    s.trellis = base;
     return s;
 }
 
-// Seals one balanced-and-rounded half: `s.k_tile`/`s.v_tile` hold the rotated tiles on entry
-// (they are divided by their column scales in place). Writes `l.sub_bytes` bytes to `out`.
-// Returns SJ_OK or SJ_ERR_F16_OVERFLOW.
-SJ_HD int sj_seal_scalar_half_lanes(SjRecordLayout l, SjBalanceSettings cfg, SjSealScratch s,
-                                    sj_u8* out, int tid, int nthreads) {
+// Codes one balanced tile (column scales divided out) with scalar rounding or the trellis.
+SJ_HD int sj_code_tile_lanes(const float* x, int rows, int cols, int bits, int coding,
+                             const float* codebook, SjSealScratch s, sj_u16* a_out, sj_u16* z_out,
+                             int tid, int nthreads) {
+    if (coding == SJ_CODING_SCALAR) {
+        return sj_round_rows_lanes(x, rows, cols, bits, s.codes, a_out, z_out, tid, nthreads);
+    }
+    int big = rows > cols ? rows : cols;
+    SjTrellisScratch ts = sj_trellis_scratch(s.trellis, big, big, SJ_SEAL_GROUPS);
+    return sj_trellis_rows_lanes(x, rows, cols, bits, coding, codebook, ts, s.codes, a_out, z_out,
+                                 tid, nthreads);
+}
+
+// Seals one half: `s.k_tile`/`s.v_tile` hold the rotated tiles on entry (they are divided by
+// their column scales in place). Writes `l.sub_bytes` bytes to `out`. K and V are coded as the
+// view's k_coding / v_coding say. Returns SJ_OK or SJ_ERR_F16_OVERFLOW.
+SJ_HD int sj_seal_half_lanes(const SjLayerView view, SjBalanceSettings cfg, SjSealScratch s,
+                             sj_u8* out, int tid, int nthreads) {
+    SjRecordLayout l = view.rec;
     int r = l.width;
     sj_u16* a_k = s.meta;
     sj_u16* z_k = a_k + r;
@@ -316,7 +340,8 @@ SJ_HD int sj_seal_scalar_half_lanes(SjRecordLayout l, SjBalanceSettings cfg, SjS
     sj_balance_lanes(s.k_tile, r, SJ_GROUP, cfg, bk, tid, nthreads);
     sj_column_scales_lanes(bk, SJ_GROUP, s_k, tid, nthreads);
     sj_divide_columns_lanes(s.k_tile, r, SJ_GROUP, s_k, tid, nthreads);
-    int st = sj_round_rows_lanes(s.k_tile, r, SJ_GROUP, l.k_bits, s.codes, a_k, z_k, tid, nthreads);
+    int st = sj_code_tile_lanes(s.k_tile, r, SJ_GROUP, l.k_bits, view.k_coding, view.k_codebook, s,
+                                a_k, z_k, tid, nthreads);
     if (st != SJ_OK) *s.status = st;
     sj_pack_lanes(s.codes, (sj_u32)(r * SJ_GROUP), (sj_u32)l.k_bits, out, tid, nthreads);
     SJ_SYNC();
@@ -326,7 +351,8 @@ SJ_HD int sj_seal_scalar_half_lanes(SjRecordLayout l, SjBalanceSettings cfg, SjS
     sj_balance_lanes(s.v_tile, SJ_GROUP, r, cfg, bv, tid, nthreads);
     sj_column_scales_lanes(bv, r, s_v, tid, nthreads);
     sj_divide_columns_lanes(s.v_tile, SJ_GROUP, r, s_v, tid, nthreads);
-    st = sj_round_rows_lanes(s.v_tile, SJ_GROUP, r, l.v_bits, s.codes, a_v, z_v, tid, nthreads);
+    st = sj_code_tile_lanes(s.v_tile, SJ_GROUP, r, l.v_bits, view.v_coding, view.v_codebook, s, a_v,
+                            z_v, tid, nthreads);
     if (st != SJ_OK) *s.status = st;
     sj_pack_lanes(s.codes, (sj_u32)(r * SJ_GROUP), (sj_u32)l.v_bits, out + l.k_code_bytes, tid,
                   nthreads);
@@ -340,7 +366,7 @@ SJ_HD int sj_seal_scalar_half_lanes(SjRecordLayout l, SjBalanceSettings cfg, SjS
 
 // Gathers half `half` of group `g`, KV head `h` from the ring into the scratch tiles (rotated
 // frame) and seals it into `out` (one sub-record). The whole body of the seal kernel.
-SJ_HD int sj_seal_group_half_lanes(const SjLayerView& view, int g, int h, int half,
+SJ_HD int sj_seal_group_half_lanes(const SjLayerView view, int g, int h, int half,
                                    SjBalanceSettings cfg, SjSealScratch s, sj_u8* out, int tid,
                                    int nthreads) {
     int r = view.rec.width;
@@ -355,5 +381,5 @@ SJ_HD int sj_seal_group_half_lanes(const SjLayerView& view, int g, int h, int ha
         s.v_tile[e] = sj_ring_value(view, sj_ring_row(view, pos, h, 1), half * r + c);
     }
     SJ_SYNC();
-    return sj_seal_scalar_half_lanes(view.rec, cfg, s, out, tid, nthreads);
+    return sj_seal_half_lanes(view, cfg, s, out, tid, nthreads);
 }

@@ -1,4 +1,4 @@
-// sjkvarn kernels: append (rotate + stage), seal (balance + scalar rounding), decode/prefill
+// sjkvarn kernels: append (rotate + stage), seal (balance + scalar rounding or Viterbi), decode/prefill
 // attention (split-K over sink + body + ring) and the split merge. Each kernel only computes its
 // pointers and calls a lane function from the headers, which the host tests run on the CPU.
 #include "sj_attention.cuh"
@@ -66,9 +66,10 @@ extern "C" __global__ void sj_append_stage(const float* k, const float* v, int s
     if (st != SJ_OK && tid == 0) sj_report(status, st);
 }
 
-// Grid (groups, kv_heads, halves). Seals group `groups[x]` of the ring into pool slot
+// Grid (groups, kv_heads, halves), SJ_SEAL_THREADS lanes (four Viterbi groups of 64 for trellis
+// bodies). Seals group `groups[x]` of the ring into pool slot
 // `slots[x]`; `workspace` holds sj_seal_scratch_bytes(width) per block.
-extern "C" __global__ void sj_seal_scalar(SjLayerView view, const sj_u32* groups,
+extern "C" __global__ void __launch_bounds__(SJ_SEAL_THREADS) sj_seal(SjLayerView view, const sj_u32* groups,
                                           const sj_u32* slots, sj_u8* pool, SjBalanceSettings cfg,
                                           sj_u8* workspace, int* status) {
     int gi = blockIdx.x, h = blockIdx.y, half = blockIdx.z;

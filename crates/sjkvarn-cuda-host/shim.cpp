@@ -49,7 +49,7 @@ int sj_host_stage_row(float* row, int head_dim, const float* table, sj_u8* out) 
     return sj_stage_row_lanes(row, head_dim, table, codes, norm_slot, out, 0, 1);
 }
 
-// sj_seal_scalar for every half of group `g`, KV head `h`: writes one record (record_bytes).
+// sj_seal for every half of group `g`, KV head `h`: writes one record (record_bytes).
 int sj_host_seal_group(const SjLayerView* view, int g, int h, const SjBalanceSettings* cfg,
                        sj_u8* out) {
     int r = view->rec.width;

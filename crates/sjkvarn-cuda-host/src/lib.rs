@@ -128,7 +128,7 @@ impl<'a> HostLayer<'a> {
         }
     }
 
-    /// `sj_seal_scalar` for every half of group `g`, KV head `h`: the group must still be in
+    /// `sj_seal` for every half of group `g`, KV head `h`: the group must still be in
     /// the ring (not sealed yet, every token appended).
     pub fn seal_group(&self, g: usize, h: usize, balance: &KernelBalance) -> (Vec<u8>, i32) {
         let in_ring = g >= self.view.sealed as usize

@@ -197,15 +197,27 @@ fn sealed_records_are_byte_identical() {
             stat: BalanceStat::Rms,
         },
     ];
+    let trellis = |k_bits, v_bits, k_axis, v_axis| LayerCoding {
+        k_bits,
+        v_bits,
+        k_coding: BodyCoding::Trellis(k_axis),
+        v_coding: BodyCoding::Trellis(v_axis),
+    };
+    let (tok, chan) = (TrellisAxis::Token, TrellisAxis::Channel);
     let cases = [
-        (64usize, (4u32, 4u32), 0usize),
-        (128, (3, 2), 1),
-        (256, (2, 3), 2),
-        (512, (4, 2), 0),
-        (64, (8, 5), 1),
+        (64usize, LayerCoding::scalar(4, 4), 0usize),
+        (128, LayerCoding::scalar(3, 2), 1),
+        (256, LayerCoding::scalar(2, 3), 2),
+        (512, LayerCoding::scalar(4, 2), 0),
+        (64, LayerCoding::scalar(8, 5), 1),
+        (64, trellis(3, 3, tok, tok), 0),
+        (64, trellis(2, 4, chan, chan), 1),
+        (128, trellis(3, 2, tok, chan), 0),
+        (256, trellis(4, 3, chan, tok), 0),
     ];
-    for (d, (kb, vb), bi) in cases {
-        let config = small_config(d, LayerCoding::scalar(kb, vb), balances[bi]);
+    for (d, coding, bi) in cases {
+        let (kb, vb) = (coding.k_bits, coding.v_bits);
+        let config = small_config(d, coding, balances[bi]);
         // Seal from the ring as it was before each append (rows of sealed groups are reused
         // once the ring wraps) and compare with the records the append sealed.
         let config = Arc::new(config);
@@ -233,7 +245,7 @@ fn sealed_records_are_byte_identical() {
                     let want = &after.records[g * slot + h * rb..g * slot + (h + 1) * rb];
                     assert!(
                         got == want,
-                        "d {d} {kb}/{vb} balance {bi}: group {g} head {h} differs at byte {:?}",
+                        "d {d} {coding:?} balance {bi}: group {g} head {h} differs at byte {:?}",
                         got.iter().zip(want).position(|(a, b)| a != b)
                     );
                     checked += 1;

@@ -136,6 +136,21 @@ impl KernelBalance {
     }
 }
 
+/// `sj_viterbi_scratch_bytes`: metrics, origins, carried metrics, flags, choices.
+fn viterbi_scratch_bytes(n: usize) -> usize {
+    2 * 64 * 4 + 2 * 64 * 4 + 64 * 4 + 16 + n * 64
+}
+
+/// `sj_trellis_scratch_bytes`.
+fn trellis_scratch_bytes(rows: usize, cols: usize, groups: usize) -> usize {
+    let run = rows.max(cols);
+    let v = viterbi_scratch_bytes(run).div_ceil(16) * 16;
+    rows * cols * 4 + rows * 8 + groups * (v + run * 4) + 64
+}
+
+/// Viterbi lane groups per seal block (`SJ_SEAL_GROUPS`).
+const SEAL_GROUPS: usize = 4;
+
 /// Bytes of device scratch one seal block uses (`sj_seal_scratch_bytes` in `sj_seal.cuh`).
 pub fn seal_scratch_bytes(width: usize) -> usize {
     let big = width.max(crate::GROUP);
@@ -145,7 +160,7 @@ pub fn seal_scratch_bytes(width: usize) -> usize {
         + width * crate::GROUP
         + 2 * (3 * width + 3 * crate::GROUP)
         + 16;
-    bytes.div_ceil(256) * 256
+    bytes.div_ceil(256) * 256 + trellis_scratch_bytes(big, big, SEAL_GROUPS).div_ceil(256) * 256
 }
 
 /// Floats of dynamic shared memory per attention block (`GS * head_dim` rotated queries plus
@@ -155,7 +170,7 @@ pub fn attend_shared_floats(group: usize, head_dim: usize) -> usize {
 }
 
 /// Kernel sources by file name, embedded at build time.
-pub const KERNEL_FILES: [(&str, &str); 7] = [
+pub const KERNEL_FILES: [(&str, &str); 8] = [
     ("sjkvarn.cu", include_str!("../../../cuda/sjkvarn.cu")),
     ("sj_common.cuh", include_str!("../../../cuda/sj_common.cuh")),
     (
@@ -168,6 +183,10 @@ pub const KERNEL_FILES: [(&str, &str); 7] = [
     ),
     ("sj_layer.cuh", include_str!("../../../cuda/sj_layer.cuh")),
     ("sj_seal.cuh", include_str!("../../../cuda/sj_seal.cuh")),
+    (
+        "sj_trellis.cuh",
+        include_str!("../../../cuda/sj_trellis.cuh"),
+    ),
     (
         "sj_attention.cuh",
         include_str!("../../../cuda/sj_attention.cuh"),
@@ -221,7 +240,7 @@ mod tests {
         assert_eq!(src.matches("struct SjLayerView {").count(), 1);
         for name in [
             "sj_append_stage",
-            "sj_seal_scalar",
+            "sj_seal(",
             "SJ_ATTEND_KERNEL(6)",
             "sj_attend_merge",
         ] {

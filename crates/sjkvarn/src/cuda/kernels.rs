@@ -152,7 +152,7 @@ impl Kernels {
             .collect::<CudaResult<Vec<_>>>()?;
         let k = Arc::new(Kernels {
             append: module.load_function("sj_append_stage")?,
-            seal: module.load_function("sj_seal_scalar")?,
+            seal: module.load_function("sj_seal")?,
             merge: module.load_function("sj_attend_merge")?,
             attend,
             _module: module,

@@ -180,8 +180,8 @@ fn kernel_error(code: i32, what: &str) -> CudaError {
 }
 
 impl DeviceSequence {
-    /// An empty sequence on the pool's device. The device path implements `tq6_0` staging,
-    /// scalar bodies and query groups with a kernel; anything else is refused here, up front.
+    /// An empty sequence on the pool's device. The device path implements `tq6_0` staging and
+    /// query groups with a kernel; anything else is refused here, up front.
     pub fn new(config: Arc<CacheConfig>, pool: Arc<DevicePool>) -> CudaResult<Self> {
         config.validate()?;
         if config.staging != Staging::Tq6 {
@@ -189,16 +189,6 @@ impl DeviceSequence {
                 "staging {:?} (the device ring is tq6_0)",
                 config.staging
             )));
-        }
-        for layer in 0..config.layers {
-            let spec = config.body_spec(layer);
-            if spec.k_coding != crate::body::BodyCoding::Scalar
-                || spec.v_coding != crate::body::BodyCoding::Scalar
-            {
-                return Err(CudaError::Unsupported(format!(
-                    "layer {layer} uses a trellis body; the device seal is scalar only so far"
-                )));
-            }
         }
         pool.kernels.attend(config.group_size())?;
         if pool.slot_bytes() < config.slot_bytes() {
@@ -471,7 +461,7 @@ impl DeviceSequence {
             .arg(&balance)
             .arg(&workspace)
             .arg(&status);
-        // SAFETY: argument list matches `sj_seal_scalar`; the workspace holds one scratch per
+        // SAFETY: argument list matches `sj_seal`; the workspace holds one scratch per
         // block; slot ids are reserved slots of this arena; the groups' rows are in the ring.
         unsafe {
             launch.launch(LaunchConfig {
