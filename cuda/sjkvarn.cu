@@ -69,7 +69,7 @@ extern "C" __global__ void sj_append_stage(const float* k, const float* v, int s
 // Grid (groups, kv_heads, halves), SJ_SEAL_THREADS lanes (four Viterbi groups of 64 for trellis
 // bodies). Seals group `groups[x]` of the ring into pool slot
 // `slots[x]`; `workspace` holds sj_seal_scratch_bytes(width) per block.
-extern "C" __global__ void __launch_bounds__(SJ_SEAL_THREADS) sj_seal(SjLayerView view, const sj_u32* groups,
+extern "C" __global__ void __launch_bounds__(SJ_SEAL_THREADS, 1) sj_seal(SjLayerView view, const sj_u32* groups,
                                           const sj_u32* slots, sj_u8* pool, SjBalanceSettings cfg,
                                           sj_u8* workspace, int* status) {
     int gi = blockIdx.x, h = blockIdx.y, half = blockIdx.z;

@@ -216,7 +216,7 @@ fn sealed_records_are_byte_identical() {
         (256, trellis(4, 3, chan, tok), 0),
     ];
     for (d, coding, bi) in cases {
-        let (kb, vb) = (coding.k_bits, coding.v_bits);
+        let kb = coding.k_bits;
         let config = small_config(d, coding, balances[bi]);
         // Seal from the ring as it was before each append (rows of sealed groups are reused
         // once the ring wraps) and compare with the records the append sealed.
