@@ -5,7 +5,17 @@ The codec lives in the Rust core; this package is a thin typed layer over ``sjkv
 
 from sjkvarn import codec
 from sjkvarn._core import GROUP, CodecError
-from sjkvarn.cache import Cache, CacheError, Config, PoolExhaustedError, SnapshotError
+from sjkvarn.cache import (
+    Cache,
+    CacheError,
+    Config,
+    CudaBackendError,
+    CudaStatus,
+    CudaUnavailableError,
+    PoolExhaustedError,
+    SnapshotError,
+    cuda_available,
+)
 
 __all__ = [
     "GROUP",
@@ -13,7 +23,11 @@ __all__ = [
     "CacheError",
     "CodecError",
     "Config",
+    "CudaBackendError",
+    "CudaStatus",
+    "CudaUnavailableError",
     "PoolExhaustedError",
     "SnapshotError",
     "codec",
+    "cuda_available",
 ]

@@ -1,4 +1,5 @@
-"""The journaled KV cache for one sequence, on CPU tensors (numpy or torch) via DLPack.
+"""The journaled KV cache for one sequence, on CPU tensors (numpy or torch) or, with
+``device="cuda"``, on torch CUDA tensors; tensors cross by DLPack.
 
 ```python
 cache = sjkvarn.Cache(sjkvarn.Config(layers=30, kv_heads=3, q_heads=9, head_dim=64))
@@ -6,16 +7,23 @@ cache.append(layer, k, v)       # [tokens, kv_heads, head_dim], post-RoPE
 out = cache.attend(layer, q)    # [tokens, q_heads, head_dim]; causal over what was appended
 ```
 
+CUDA caches keep the journal in device memory. Work is queued on sjkvarn's own stream, ordered
+after the work already on torch's current stream (an event) and before anything torch queues
+there afterwards (another event), so callers use the results as if they were computed on
+torch's current stream. ``append`` returns once its inputs have been read.
+
 Errors: :class:`CacheError` (a ``ValueError``) for bad shapes, values, settings and positions,
 :class:`PoolExhaustedError` when a seal finds no free record slot, :class:`SnapshotError` for a
 refused snapshot, ``IndexError`` for a layer that does not exist, ``TypeError`` for unsupported
-types and dtypes, ``OSError`` for file errors. A call that raises leaves the cache as it was.
+types and dtypes, ``ValueError`` for tensors on the wrong device, ``OSError`` for file errors,
+:class:`CudaUnavailableError` (a ``RuntimeError``) when ``device="cuda"`` cannot run here. A call
+that raises leaves the cache as it was.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +33,44 @@ from sjkvarn import _core
 CacheError = _core.CacheError
 PoolExhaustedError = _core.PoolExhaustedError
 SnapshotError = _core.SnapshotError
+CudaUnavailableError = _core.CudaUnavailableError
+CudaBackendError = _core.CudaBackendError
+
+
+@dataclass(frozen=True)
+class CudaStatus:
+    """Whether ``device="cuda"`` can run here; ``reason`` names the device or what is missing."""
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+def cuda_available(device: int = 0) -> CudaStatus:
+    """Probes the CUDA driver, device ``device`` and NVRTC without raising."""
+    ok, reason = _core.cuda_status(int(device))
+    return CudaStatus(bool(ok), str(reason))
+
+
+def _parse_device(device: str) -> tuple[str, int]:
+    """``"cpu"``, ``"cuda"`` (torch's current device, else 0) or ``"cuda:N"``."""
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda", int(torch.cuda.current_device())
+        except ImportError:
+            pass
+        return "cuda", 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return "cuda", int(text[5:])
+    raise CacheError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 @dataclass
@@ -85,15 +131,13 @@ class Cache:
         self.config = config
         if _core_cache is not None:
             self._core = _core_cache
+            self._ordinal = int(getattr(_core_cache, "ordinal", 0))
             return
-        if config.device != "cpu":
-            raise CacheError(
-                f"device {config.device!r} is not available: this build has the CPU backend only"
-            )
         for name in ("layers", "kv_heads", "head_dim", "max_tokens", "pool_sequences"):
             if int(getattr(config, name)) < 1:
                 raise CacheError(f"{name} must be at least 1")
-        self._core = _core.Cache(
+        kind, self._ordinal = _parse_device(config.device)
+        args = (
             config.layers,
             config.q_heads or config.kv_heads,
             config.kv_heads,
@@ -109,9 +153,37 @@ class Cache:
             config.staging,
             config.pool_sequences,
         )
+        if kind == "cuda":
+            self._core = _core.DeviceCache(self._ordinal, *args)
+        else:
+            self._core = _core.Cache(*args)
+
+    @property
+    def is_cuda(self) -> bool:
+        return isinstance(self._core, _core.DeviceCache)
+
+    def _cuda_f32(self, x: Any, what: str) -> Any:
+        """A compact float32 view of a torch CUDA tensor on this cache's device."""
+        if not _is_torch(x):
+            kind = type(x).__name__
+            raise TypeError(f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}")
+        if x.device.type != "cuda" or x.device.index != self._ordinal:
+            raise ValueError(f"{what} is on {x.device}, this cache is on cuda:{self._ordinal}")
+        import torch
+
+        return x.detach().to(torch.float32).contiguous()
+
+    def _stream(self) -> int:
+        import torch
+
+        return int(torch.cuda.current_stream(self._ordinal).cuda_stream)
 
     def append(self, layer: int, k: Any, v: Any) -> None:
         """Appends post-RoPE K and V, each ``[tokens, kv_heads, head_dim]``."""
+        if self.is_cuda:
+            k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
+            self._core.append(int(layer), k32, v32, self._stream())
+            return
         self._core.append(int(layer), _exportable(k), _exportable(v))
 
     def attend(self, layer: int, q: Any, *, scale: float | None = None) -> Any:
@@ -120,6 +192,13 @@ class Cache:
         Row ``i`` sits at position ``length - tokens + i`` and sees positions up to its own.
         Returns a tensor of ``q``'s kind and dtype (computed in float32).
         """
+        if self.is_cuda:
+            import torch
+
+            q32 = self._cuda_f32(q, "q")
+            out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
+            self._core.attend_into(int(layer), q32, out, scale, self._stream())
+            return out if q.dtype == torch.float32 else out.to(q.dtype)
         q = _exportable(q)
         if _is_torch(q):
             import torch
@@ -166,13 +245,30 @@ class Cache:
         return bytes(self._core.snapshot())
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes a versioned, checksummed snapshot (temporary file, fsync, rename)."""
-        self._core.save(os.fspath(path))
+        """Writes a versioned, checksummed snapshot (temporary file, fsync, rename). CUDA and CPU
+        caches write the same bytes."""
+        core = self._core.to_cpu() if self.is_cuda else self._core
+        core.save(os.fspath(path))
+
+    def to(self, device: str, *, pool_sequences: int = 1) -> Cache:
+        """A byte-for-byte copy of this cache on ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+        kind, ordinal = _parse_device(device)
+        core = self._core.to_cpu() if self.is_cuda else self._core
+        config = replace(self.config, device=device, pool_sequences=pool_sequences)
+        if kind == "cuda":
+            device_core = _core.DeviceCache.from_cpu(core, ordinal, pool_sequences)
+            return Cache(config, _core_cache=device_core)
+        if self.is_cuda:
+            return Cache(config, _core_cache=core)
+        return Cache(config, _core_cache=_core.Cache.from_snapshot(core.snapshot(), pool_sequences))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, pool_sequences: int = 1) -> Cache:
+    def load(
+        cls, path: str | os.PathLike[str], *, pool_sequences: int = 1, device: str = "cpu"
+    ) -> Cache:
         """Restores a snapshot; a mismatched, truncated or corrupted file raises SnapshotError."""
         core = _core.Cache.load(os.fspath(path), pool_sequences)
         layers, q_heads, kv_heads, head_dim = core.geometry
         config = Config(layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads)
-        return cls(config, _core_cache=core)
+        cache = cls(config, _core_cache=core)
+        return cache if device == "cpu" else cache.to(device, pool_sequences=pool_sequences)

@@ -42,13 +42,74 @@ pub(crate) fn err(e: CoreError) -> PyErr {
     }
 }
 
+/// Builds and validates a configuration from the Python-side arguments.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_config(
+    layers: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    layer_coding: Vec<(u32, u32, String, String)>,
+    (min_tail, max_tail, max_chunk, max_tokens): (usize, usize, usize, usize),
+    (passes, mode, stat): (u32, &str, &str),
+    staging: &str,
+) -> PyResult<CacheConfig> {
+    let layer_coding = layer_coding
+        .iter()
+        .map(|(k, v, kb, vb)| {
+            Ok(LayerCoding {
+                k_bits: *k,
+                v_bits: *v,
+                k_coding: coding(kb)?,
+                v_coding: coding(vb)?,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let balance = BalanceConfig {
+        passes,
+        mode: match mode {
+            "final" => BalanceMode::Final,
+            "best" => BalanceMode::Best,
+            _ => {
+                return Err(CacheError::new_err(format!(
+                    "mode must be 'final' or 'best', got '{mode}'"
+                )))
+            }
+        },
+        stat: match stat {
+            "std" => BalanceStat::Std,
+            "rms" => BalanceStat::Rms,
+            _ => {
+                return Err(CacheError::new_err(format!(
+                    "stat must be 'std' or 'rms', got '{stat}'"
+                )))
+            }
+        },
+    };
+    let config = CacheConfig {
+        layers,
+        q_heads,
+        kv_heads,
+        head_dim,
+        layer_coding,
+        min_tail,
+        max_tail,
+        max_chunk,
+        max_tokens,
+        balance,
+        staging: Staging::from_name(staging).map_err(err)?,
+    };
+    config.validate().map_err(err)?;
+    Ok(config)
+}
+
 /// One sequence: sink, staging ring and sealed records in a (shareable) pool.
 #[pyclass(module = "sjkvarn._core")]
 pub struct Cache {
-    seq: Sequence,
+    pub(crate) seq: Sequence,
 }
 
-fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> PyResult<usize> {
+pub(crate) fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> PyResult<usize> {
     match shape {
         [n, h, dd] if *h == heads && *dd == d && *n > 0 => Ok(*n),
         _ => Err(CacheError::new_err(format!(
@@ -79,52 +140,16 @@ impl Cache {
         staging: &str,
         pool_sequences: usize,
     ) -> PyResult<Self> {
-        let layer_coding = layer_coding
-            .iter()
-            .map(|(k, v, kb, vb)| {
-                Ok(LayerCoding {
-                    k_bits: *k,
-                    v_bits: *v,
-                    k_coding: coding(kb)?,
-                    v_coding: coding(vb)?,
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let balance = BalanceConfig {
-            passes,
-            mode: match mode {
-                "final" => BalanceMode::Final,
-                "best" => BalanceMode::Best,
-                _ => {
-                    return Err(CacheError::new_err(format!(
-                        "mode must be 'final' or 'best', got '{mode}'"
-                    )))
-                }
-            },
-            stat: match stat {
-                "std" => BalanceStat::Std,
-                "rms" => BalanceStat::Rms,
-                _ => {
-                    return Err(CacheError::new_err(format!(
-                        "stat must be 'std' or 'rms', got '{stat}'"
-                    )))
-                }
-            },
-        };
-        let config = CacheConfig {
+        let config = build_config(
             layers,
             q_heads,
             kv_heads,
             head_dim,
             layer_coding,
-            min_tail,
-            max_tail,
-            max_chunk,
-            max_tokens,
-            balance,
-            staging: Staging::from_name(staging).map_err(err)?,
-        };
-        config.validate().map_err(err)?;
+            (min_tail, max_tail, max_chunk, max_tokens),
+            (passes, mode, stat),
+            staging,
+        )?;
         let pool = Sequence::pool_for(&config, pool_sequences);
         Ok(Self {
             seq: Sequence::new(Arc::new(config), pool).map_err(err)?,

@@ -84,6 +84,7 @@ struct View<'py> {
     shape: Vec<usize>,
     /// Strides in elements, always filled in (compact row-major when the producer gave none).
     strides: Vec<isize>,
+    device_id: i32,
 }
 
 fn compact_strides(shape: &[usize]) -> Vec<isize> {
@@ -96,6 +97,11 @@ fn compact_strides(shape: &[usize]) -> Vec<isize> {
 
 impl<'py> View<'py> {
     fn of(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        Self::open(obj, what, DL_CPU)
+    }
+
+    /// Opens `obj`'s DLPack capsule; the tensor must live on `device_type`.
+    fn open(obj: &Bound<'py, PyAny>, what: &str, device_type: i32) -> PyResult<Self> {
         if !obj.hasattr("__dlpack__")? {
             return Err(PyTypeError::new_err(format!(
                 "{what}: expected a numpy array or torch tensor (an object with __dlpack__), got {}",
@@ -119,11 +125,12 @@ impl<'py> View<'py> {
         }
         // SAFETY: non-null pointer to the producer's DLManagedTensor, alive with the capsule.
         let t = unsafe { &(*managed).dl_tensor };
-        if t.device.device_type != DL_CPU {
+        if t.device.device_type != device_type {
             return Err(PyValueError::new_err(format!(
-                "{what}: tensor is on {} (device {}); this call needs a CPU tensor",
+                "{what}: tensor is on {} (device {}); this call needs a {} tensor",
                 device_name(t.device.device_type),
-                t.device.device_id
+                t.device.device_id,
+                device_name(device_type)
             )));
         }
         let ndim = usize::try_from(t.ndim)
@@ -158,6 +165,7 @@ impl<'py> View<'py> {
             dtype: t.dtype,
             shape,
             strides,
+            device_id: t.device.device_id,
         })
     }
 
@@ -281,4 +289,49 @@ pub fn with_f32_out<'py, T>(
         unsafe { std::slice::from_raw_parts_mut(view.data as *mut f32, len) }
     };
     work(out, &view.shape.clone())
+}
+
+const DL_CUDA: i32 = 2;
+
+/// A compact float32 CUDA tensor borrowed through DLPack: its device address stays valid while
+/// this value (which holds the capsule) lives.
+pub struct CudaF32<'py> {
+    view: View<'py>,
+}
+
+impl CudaF32<'_> {
+    pub fn ptr(&self) -> u64 {
+        self.view.data as u64
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.view.shape
+    }
+
+    pub fn device_id(&self) -> i32 {
+        self.view.device_id
+    }
+}
+
+/// Borrows a CUDA tensor that must be float32 and compact (the Python layer converts first).
+pub fn cuda_f32<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<CudaF32<'py>> {
+    if !obj.hasattr("__dlpack__")? {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: expected a CUDA torch tensor, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    let view = View::open(obj, what, DL_CUDA)?;
+    if view.dtype.code != DL_FLOAT || view.dtype.bits != 32 || view.dtype.lanes != 1 {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: expected float32, got {}",
+            dtype_name(view.dtype)
+        )));
+    }
+    if !view.is_compact() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: the CUDA tensor must be contiguous"
+        )));
+    }
+    Ok(CudaF32 { view })
 }

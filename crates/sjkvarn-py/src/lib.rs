@@ -2,6 +2,7 @@
 //! error becomes a Python exception; heavy work runs with the GIL released.
 
 mod cache;
+mod cuda;
 mod dlpack;
 
 use dlpack::{read_f32, with_f32_out};
@@ -286,6 +287,16 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("SnapshotError", m.py().get_type::<cache::SnapshotError>())?;
     m.add_class::<cache::Cache>()?;
+    m.add_class::<cuda::DeviceCache>()?;
+    m.add(
+        "CudaUnavailableError",
+        m.py().get_type::<cuda::CudaUnavailableError>(),
+    )?;
+    m.add(
+        "CudaBackendError",
+        m.py().get_type::<cuda::CudaBackendError>(),
+    )?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_status, m)?)?;
     m.add("GROUP", GROUP)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;

@@ -38,10 +38,6 @@ impl LayerJournal {
     pub(crate) fn ring_start(&self) -> usize {
         SINK + GROUP * self.sealed
     }
-
-    fn unsealed(&self) -> usize {
-        self.len.saturating_sub(self.ring_start())
-    }
 }
 
 /// Bytes allocated and bits occupied, by region.
@@ -141,6 +137,32 @@ pub fn plan_append(
     plan
 }
 
+/// Positions `(sink, body, ring)` of a layer with `len` tokens and `sealed` groups.
+pub fn regions_at(len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
+    let sink_end = len.min(SINK);
+    let body_end = if len <= SINK {
+        sink_end
+    } else {
+        SINK + GROUP * sealed
+    };
+    [0..sink_end, sink_end..body_end, body_end..len]
+}
+
+/// Tokens the next append to a layer at `(len, sealed)` can take with no seal inside it.
+pub fn chunk_limit_at(config: &CacheConfig, len: usize, sealed: usize) -> usize {
+    let unsealed_now = len.saturating_sub(SINK + GROUP * sealed);
+    let sealed = if unsealed_now + 1 > config.max_tail {
+        seal_target(config, len, sealed)
+    } else {
+        sealed
+    };
+    let unsealed = len.saturating_sub(SINK + GROUP * sealed);
+    let sink_room = SINK.saturating_sub(len);
+    (config.max_tail - unsealed + sink_room)
+        .min(config.max_chunk)
+        .min(config.max_tokens - len)
+}
+
 /// `(len, sealed)` of a layer holding `len` tokens with `sealed` groups after `truncate(n)`.
 pub fn truncated_state(
     config: &CacheConfig,
@@ -225,13 +247,7 @@ impl Sequence {
     /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
     pub fn regions(&self, layer: usize) -> CacheResult<[std::ops::Range<usize>; 3]> {
         let l = self.layer(layer)?;
-        let sink_end = l.len.min(SINK);
-        let body_end = if l.len <= SINK {
-            sink_end
-        } else {
-            l.ring_start()
-        };
-        Ok([0..sink_end, sink_end..body_end, body_end..l.len])
+        Ok(regions_at(l.len, l.sealed))
     }
 
     /// How many tokens the next append to `layer` can take with no seal inside it (a seal may
@@ -239,16 +255,7 @@ impl Sequence {
     /// decoding.
     pub fn chunk_limit(&self, layer: usize) -> CacheResult<usize> {
         let l = self.layer(layer)?;
-        let sealed = if l.unsealed() + 1 > self.config.max_tail {
-            seal_target(&self.config, l.len, l.sealed)
-        } else {
-            l.sealed
-        };
-        let unsealed = l.len.saturating_sub(SINK + GROUP * sealed);
-        let sink_room = SINK.saturating_sub(l.len);
-        Ok((self.config.max_tail - unsealed + sink_room)
-            .min(self.config.max_chunk)
-            .min(self.config.max_tokens - l.len))
+        Ok(chunk_limit_at(&self.config, l.len, l.sealed))
     }
 
     fn ring_index(&self, pos: usize) -> usize {

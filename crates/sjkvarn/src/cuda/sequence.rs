@@ -12,7 +12,8 @@ use super::kernels::Kernels;
 use super::{CudaError, CudaResult};
 use crate::cache::pool::SlotId;
 use crate::cache::sequence::{
-    memory_report, plan_append, seal_target, truncated_state, LayerImage, MemoryReport,
+    chunk_limit_at, memory_report, plan_append, regions_at, seal_target, truncated_state,
+    LayerImage, MemoryReport,
 };
 use crate::cache::staging::RowCodec;
 use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
@@ -255,6 +256,48 @@ impl DeviceSequence {
     /// Sealed groups of `layer`.
     pub fn sealed_groups(&self, layer: usize) -> CudaResult<usize> {
         Ok(self.layer(layer)?.sealed)
+    }
+
+    /// Positions `(sink, body, ring)` of `layer`.
+    pub fn regions(&self, layer: usize) -> CudaResult<[std::ops::Range<usize>; 3]> {
+        let l = self.layer(layer)?;
+        Ok(regions_at(l.len, l.sealed))
+    }
+
+    /// Tokens the next append to `layer` can take with no seal inside it.
+    pub fn chunk_limit(&self, layer: usize) -> CudaResult<usize> {
+        let l = self.layer(layer)?;
+        Ok(chunk_limit_at(&self.config, l.len, l.sealed))
+    }
+
+    /// A child sequence sharing this one's sealed records (reference counted) with its own
+    /// copies of the sink and ring.
+    pub fn fork(&self) -> CudaResult<DeviceSequence> {
+        let s = &self.pool.stream;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DeviceLayer {
+                    len: l.len,
+                    sealed: l.sealed,
+                    sink_k: s.clone_dtod(&l.sink_k)?,
+                    sink_v: s.clone_dtod(&l.sink_v)?,
+                    ring: s.clone_dtod(&l.ring)?,
+                    blocks: l.blocks.clone(),
+                    blocks_dev: s.clone_dtod(&l.blocks_dev)?,
+                })
+            })
+            .collect::<CudaResult<Vec<_>>>()?;
+        for l in &layers {
+            self.pool.slots.retain(&l.blocks);
+        }
+        Ok(DeviceSequence {
+            config: self.config.clone(),
+            pool: self.pool.clone(),
+            rows: self.rows,
+            layers,
+        })
     }
 
     /// The kernels' view of `layer`.
