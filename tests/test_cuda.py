@@ -31,6 +31,24 @@ def test_cuda_cache_without_cuda_is_a_clear_error() -> None:
         Cache(Config(layers=1, kv_heads=2, head_dim=64, device="cuda:x"))
 
 
+def test_kernels_compile_with_nvrtc_and_are_cached(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The runtime's own NVRTC path (no GPU needed) where the nvidia-cuda-nvrtc wheel is."""
+    from sjkvarn import _core
+    from sjkvarn.cache import load_nvrtc
+
+    if load_nvrtc() is None:
+        pytest.skip("nvidia-cuda-nvrtc is not installed")
+    monkeypatch.setenv("SJKVARN_KERNEL_CACHE", str(tmp_path))
+    ptx = _core.compile_kernels("compute_90")
+    for name in ("sj_append_stage", "sj_seal", "sj_attend_gs3", "sj_attend_merge"):
+        assert f".entry {name}(" in ptx
+    cached = list(tmp_path.glob("sjkvarn-compute_90-*.ptx"))
+    assert len(cached) == 1 and cached[0].read_text() == ptx
+    assert _core.compile_kernels("compute_90") == ptx
+    with pytest.raises(ValueError, match="unknown architecture"):
+        _core.compile_kernels("sm_90")
+
+
 def test_to_cpu_copies_bytes() -> None:
     gen = torch.Generator().manual_seed(1)
     cfg = Config(

@@ -48,8 +48,33 @@ class CudaStatus:
         return self.available
 
 
+def load_nvrtc() -> str | None:
+    """Loads NVRTC from a pip-installed ``nvidia-cuda-nvrtc`` wheel if one is on ``sys.path``,
+    so the CUDA backend finds it without ``LD_LIBRARY_PATH``; returns the folder it used."""
+    import ctypes
+    import glob
+    import sys
+
+    for base in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"):
+            folder = os.path.join(base or ".", sub)
+            main = os.path.join(folder, "libnvrtc.so.13")
+            if not os.path.exists(main):
+                continue
+            try:
+                # The builtins library is found by soname only once it is loaded globally.
+                for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so.13*"))):
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                ctypes.CDLL(main, mode=ctypes.RTLD_GLOBAL)
+                return folder
+            except OSError:
+                continue
+    return None
+
+
 def cuda_available(device: int = 0) -> CudaStatus:
     """Probes the CUDA driver, device ``device`` and NVRTC without raising."""
+    load_nvrtc()
     ok, reason = _core.cuda_status(int(device))
     return CudaStatus(bool(ok), str(reason))
 
@@ -154,6 +179,7 @@ class Cache:
             config.pool_sequences,
         )
         if kind == "cuda":
+            load_nvrtc()
             self._core = _core.DeviceCache(self._ordinal, *args)
         else:
             self._core = _core.Cache(*args)
@@ -256,6 +282,7 @@ class Cache:
         core = self._core.to_cpu() if self.is_cuda else self._core
         config = replace(self.config, device=device, pool_sequences=pool_sequences)
         if kind == "cuda":
+            load_nvrtc()
             device_core = _core.DeviceCache.from_cpu(core, ordinal, pool_sequences)
             return Cache(config, _core_cache=device_core)
         if self.is_cuda:

@@ -57,6 +57,22 @@ pub fn cuda_status(ordinal: usize) -> (bool, String) {
     }
 }
 
+/// Compiles the kernels with NVRTC for `arch` (e.g. `compute_90`) through the on-disk cache and
+/// returns the PTX. Needs libnvrtc only, no GPU.
+#[pyfunction]
+pub fn compile_kernels(arch: &str) -> PyResult<String> {
+    let known = sjkvarn::cuda::KERNEL_ARCHES
+        .iter()
+        .find(|a| **a == arch)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown architecture {arch}; known: {:?}",
+                sjkvarn::cuda::KERNEL_ARCHES
+            ))
+        })?;
+    sjkvarn::cuda::compile_ptx(known).map_err(cuda_err)
+}
+
 /// One sequence on a CUDA device.
 #[pyclass(module = "sjkvarn._core", unsendable)]
 pub struct DeviceCache {

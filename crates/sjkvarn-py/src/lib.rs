@@ -297,6 +297,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<cuda::CudaBackendError>(),
     )?;
     m.add_function(wrap_pyfunction!(cuda::cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::compile_kernels, m)?)?;
     m.add("GROUP", GROUP)?;
     m.add_function(wrap_pyfunction!(formats, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;
