@@ -270,6 +270,36 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
     }
 }
 
+// The whole body of `sj_attend_gs{GS}` for block (KV head h, split, query row i): rotates the
+// row's GS queries into `smem` (GS * head_dim floats, followed by sj_attend_scratch_floats(GS)),
+// then folds the split's cache blocks into its partial state in pmax/psum [rows][splits][q_heads]
+// and pplain/prot [rows][splits][q_heads][head_dim].
+template <int GS>
+SJ_HD void sj_attend_split_lanes(const SjLayerView view, const float* q, int q_heads, int base,
+                                 float scale, int blocks_per_split, int h, int split, int splits,
+                                 int i, float* pmax, float* psum, float* pplain, float* prot,
+                                 float* smem, int tid, int nthreads) {
+    int d = view.head_dim;
+    float* q_rot = smem;
+    SjAttendScratch s = sj_attend_scratch(smem + GS * d, GS);
+    const float* q_plain = q + ((sj_u64)i * q_heads + (sj_u64)h * GS) * d;
+    for (int e = tid; e < GS * d; e += nthreads) q_rot[e] = q_plain[e];
+    SJ_SYNC();
+    for (int j = 0; j < GS; ++j) sj_rotate_head_lanes(q_rot + j * d, d, tid, nthreads);
+    sj_u64 head0 = ((sj_u64)i * splits + split) * q_heads + (sj_u64)h * GS;
+    SjSoftmaxState st;
+    st.max = pmax + head0;
+    st.sum = psum + head0;
+    st.acc_plain = pplain + head0 * d;
+    st.acc_rot = prot + head0 * d;
+    sj_softmax_init_lanes(st, GS, d, tid, nthreads);
+    int nb = sj_cache_blocks(view);
+    int b0 = split * blocks_per_split;
+    int b1 = b0 + blocks_per_split < nb ? b0 + blocks_per_split : nb;
+    sj_attend_blocks_lanes<GS>(view, h, q_plain, q_rot, base + i, scale, b0, b1, st, s, tid,
+                               nthreads);
+}
+
 // Merges `splits` partial states of one query head and writes the normalised output in the
 // model frame. Split `s` of this head is at `max[s * stride]` and `acc[s * stride * head_dim]`;
 // `work` is lane-shared scratch of head_dim floats.

@@ -85,34 +85,16 @@ extern "C" __global__ void __launch_bounds__(SJ_SEAL_THREADS, 1) sj_seal(SjLayer
 
 // Grid (kv_heads, splits, query rows). Query row i sits at position `base + i`; q is
 // [rows][q_heads][head_dim] f32 in the model frame. Partial states go to
-// pmax/psum [rows][splits][q_heads] and pplain/prot [rows][splits][q_heads][head_dim].
+// pmax/psum [rows][splits][q_heads] and pplain/prot [rows][splits][q_heads][head_dim]; the body
+// is sj_attend_split_lanes. Dynamic shared memory: GS * head_dim + sj_attend_scratch_floats(GS).
 template <int GS>
 __device__ void sj_attend_body(SjLayerView view, const float* q, int q_heads, int base, float scale,
                                int blocks_per_split, float* pmax, float* psum, float* pplain,
                                float* prot) {
     extern __shared__ float smem[];
-    int h = blockIdx.x, split = blockIdx.y, i = blockIdx.z;
-    int splits = gridDim.y;
-    int tid = threadIdx.x, nthreads = blockDim.x;
-    int d = view.head_dim;
-    float* q_rot = smem;  // [GS][d]
-    SjAttendScratch s = sj_attend_scratch(smem + GS * d, GS);
-    const float* q_plain = q + ((sj_u64)i * q_heads + (sj_u64)h * GS) * d;
-    for (int e = tid; e < GS * d; e += nthreads) q_rot[e] = q_plain[e];
-    __syncthreads();
-    for (int j = 0; j < GS; ++j) sj_rotate_head_lanes(q_rot + j * d, d, tid, nthreads);
-    sj_u64 head0 = ((sj_u64)i * splits + split) * q_heads + (sj_u64)h * GS;
-    SjSoftmaxState st;
-    st.max = pmax + head0;
-    st.sum = psum + head0;
-    st.acc_plain = pplain + head0 * d;
-    st.acc_rot = prot + head0 * d;
-    sj_softmax_init_lanes(st, GS, d, tid, nthreads);
-    int nb = sj_cache_blocks(view);
-    int b0 = split * blocks_per_split;
-    int b1 = b0 + blocks_per_split < nb ? b0 + blocks_per_split : nb;
-    sj_attend_blocks_lanes<GS>(view, h, q_plain, q_rot, base + i, scale, b0, b1, st, s, tid,
-                               nthreads);
+    sj_attend_split_lanes<GS>(view, q, q_heads, base, scale, blocks_per_split, blockIdx.x,
+                              blockIdx.y, gridDim.y, blockIdx.z, pmax, psum, pplain, prot, smem,
+                              threadIdx.x, blockDim.x);
 }
 
 #define SJ_ATTEND_KERNEL(GS)                                                                   \

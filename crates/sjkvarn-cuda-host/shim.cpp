@@ -8,26 +8,10 @@ template <int GS>
 static void attend_head(const SjLayerView& view, const float* q, int q_heads, int base, float scale,
                         int splits, int blocks_per_split, int i, int h, float* pmax, float* psum,
                         float* pplain, float* prot) {
-    int d = view.head_dim;
-    std::vector<float> q_rot(GS * d);
-    std::vector<float> scratch(sj_attend_scratch_floats(GS));
-    const float* q_plain = q + ((sj_u64)i * q_heads + (sj_u64)h * GS) * d;
-    for (int e = 0; e < GS * d; ++e) q_rot[e] = q_plain[e];
-    for (int j = 0; j < GS; ++j) sj_rotate_head_lanes(q_rot.data() + j * d, d, 0, 1);
+    std::vector<float> smem(GS * view.head_dim + sj_attend_scratch_floats(GS));
     for (int split = 0; split < splits; ++split) {
-        sj_u64 head0 = ((sj_u64)i * splits + split) * q_heads + (sj_u64)h * GS;
-        SjSoftmaxState st;
-        st.max = pmax + head0;
-        st.sum = psum + head0;
-        st.acc_plain = pplain + head0 * d;
-        st.acc_rot = prot + head0 * d;
-        sj_softmax_init_lanes(st, GS, d, 0, 1);
-        int nb = sj_cache_blocks(view);
-        int b0 = split * blocks_per_split;
-        int b1 = b0 + blocks_per_split < nb ? b0 + blocks_per_split : nb;
-        SjAttendScratch s = sj_attend_scratch(scratch.data(), GS);
-        sj_attend_blocks_lanes<GS>(view, h, q_plain, q_rot.data(), base + i, scale, b0, b1, st, s,
-                                   0, 1);
+        sj_attend_split_lanes<GS>(view, q, q_heads, base, scale, blocks_per_split, h, split,
+                                  splits, i, pmax, psum, pplain, prot, smem.data(), 0, 1);
     }
 }
 

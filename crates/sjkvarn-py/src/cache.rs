@@ -7,7 +7,10 @@ use pyo3::exceptions::{PyIndexError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::cache::attention::attend;
-use sjkvarn::cache::{CacheConfig, CacheError as CoreError, LayerCoding, Sequence, Staging};
+use sjkvarn::cache::pool::PoolStats;
+use sjkvarn::cache::{
+    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, Staging,
+};
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -101,6 +104,31 @@ pub(crate) fn build_config(
     };
     config.validate().map_err(err)?;
     Ok(config)
+}
+
+/// The Python view of a memory report and its pool's counters.
+pub(crate) fn memory_dict<'py>(
+    py: Python<'py>,
+    m: &MemoryReport,
+    pool: &PoolStats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("sink_bytes", m.sink_bytes)?;
+    d.set_item("ring_bytes", m.ring_bytes)?;
+    d.set_item("body_bytes", m.body_bytes)?;
+    d.set_item(
+        "allocated_bytes",
+        m.sink_bytes + m.ring_bytes + m.body_bytes,
+    )?;
+    d.set_item("tokens", m.tokens)?;
+    d.set_item("sink_tokens", m.sink_tokens)?;
+    d.set_item("sealed_tokens", m.sealed_tokens)?;
+    d.set_item("ring_tokens", m.ring_tokens)?;
+    d.set_item("effective_bits", m.effective_bits)?;
+    d.set_item("pool_capacity_slots", pool.capacity)?;
+    d.set_item("pool_used_slots", pool.used)?;
+    d.set_item("pool_slot_bytes", pool.slot_bytes)?;
+    Ok(d)
 }
 
 /// One sequence: sink, staging ring and sealed records in a (shareable) pool.
@@ -263,25 +291,7 @@ impl Cache {
 
     /// Allocated bytes per region and occupied bits per value.
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let m = self.seq.memory();
-        let pool = self.seq.pool().stats();
-        let d = PyDict::new(py);
-        d.set_item("sink_bytes", m.sink_bytes)?;
-        d.set_item("ring_bytes", m.ring_bytes)?;
-        d.set_item("body_bytes", m.body_bytes)?;
-        d.set_item(
-            "allocated_bytes",
-            m.sink_bytes + m.ring_bytes + m.body_bytes,
-        )?;
-        d.set_item("tokens", m.tokens)?;
-        d.set_item("sink_tokens", m.sink_tokens)?;
-        d.set_item("sealed_tokens", m.sealed_tokens)?;
-        d.set_item("ring_tokens", m.ring_tokens)?;
-        d.set_item("effective_bits", m.effective_bits)?;
-        d.set_item("pool_capacity_slots", pool.capacity)?;
-        d.set_item("pool_used_slots", pool.used)?;
-        d.set_item("pool_slot_bytes", pool.slot_bytes)?;
-        Ok(d)
+        memory_dict(py, &self.seq.memory(), &self.seq.pool().stats())
     }
 
     /// The snapshot as bytes.

@@ -1,7 +1,7 @@
 //! `sjkvarn._core.DeviceCache`: one sequence with its journal in CUDA memory, torch CUDA
 //! tensors by DLPack, work ordered against the caller's stream with events.
 
-use crate::cache::{build_config, check_3d, err, Cache, CacheError};
+use crate::cache::{build_config, check_3d, err, memory_dict, Cache, CacheError};
 use crate::dlpack::cuda_f32;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
@@ -244,25 +244,7 @@ impl DeviceCache {
     }
 
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let m = self.seq.memory();
-        let pool = self.seq.pool().stats();
-        let d = PyDict::new(py);
-        d.set_item("sink_bytes", m.sink_bytes)?;
-        d.set_item("ring_bytes", m.ring_bytes)?;
-        d.set_item("body_bytes", m.body_bytes)?;
-        d.set_item(
-            "allocated_bytes",
-            m.sink_bytes + m.ring_bytes + m.body_bytes,
-        )?;
-        d.set_item("tokens", m.tokens)?;
-        d.set_item("sink_tokens", m.sink_tokens)?;
-        d.set_item("sealed_tokens", m.sealed_tokens)?;
-        d.set_item("ring_tokens", m.ring_tokens)?;
-        d.set_item("effective_bits", m.effective_bits)?;
-        d.set_item("pool_capacity_slots", pool.capacity)?;
-        d.set_item("pool_used_slots", pool.used)?;
-        d.set_item("pool_slot_bytes", pool.slot_bytes)?;
-        Ok(d)
+        memory_dict(py, &self.seq.memory(), &self.seq.pool().stats())
     }
 
     /// A CPU cache holding the same bytes (snapshots, comparison with the reference).

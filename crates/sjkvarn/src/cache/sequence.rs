@@ -163,6 +163,22 @@ pub fn chunk_limit_at(config: &CacheConfig, len: usize, sealed: usize) -> usize 
         .min(config.max_tokens - len)
 }
 
+/// The seals `seal_idle` runs: `(layer, from, to)` for every layer whose unsealed span exceeds
+/// `min_tail` by at least one group, given each layer's `(len, sealed)`.
+pub fn seal_idle_plan(
+    config: &CacheConfig,
+    layers: &[(usize, usize)],
+) -> Vec<(usize, usize, usize)> {
+    layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &(len, sealed))| {
+            let to = seal_target(config, len, sealed);
+            (to > sealed).then_some((i, sealed, to))
+        })
+        .collect()
+}
+
 /// `(len, sealed)` of a layer holding `len` tokens with `sealed` groups after `truncate(n)`.
 pub fn truncated_state(
     config: &CacheConfig,
@@ -445,22 +461,18 @@ impl Sequence {
 
     /// Seals every layer back to `min_tail` unsealed tokens (between requests).
     pub fn seal_idle(&mut self) -> CacheResult<()> {
-        let needed: usize = self
-            .layers
-            .iter()
-            .map(|l| seal_target(&self.config, l.len, l.sealed) - l.sealed)
-            .sum();
-        let mut slots = self.pool.reserve(needed)?.into_iter();
-        for layer in 0..self.layers.len() {
-            let (from, len) = (self.layers[layer].sealed, self.layers[layer].len);
-            let to = seal_target(&self.config, len, from);
-            if to > from {
-                let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
-                if let Err(e) = self.seal_groups(layer, from, to, &ids) {
-                    self.pool.release(&ids);
-                    self.pool.release(&slots.collect::<Vec<_>>());
-                    return Err(e);
-                }
+        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
+        let plan = seal_idle_plan(&self.config, &lens);
+        let mut slots = self
+            .pool
+            .reserve(plan.iter().map(|p| p.2 - p.1).sum())?
+            .into_iter();
+        for (layer, from, to) in plan {
+            let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
+            if let Err(e) = self.seal_groups(layer, from, to, &ids) {
+                self.pool.release(&ids);
+                self.pool.release(&slots.collect::<Vec<_>>());
+                return Err(e);
             }
         }
         Ok(())

@@ -12,7 +12,7 @@ use super::kernels::Kernels;
 use super::{CudaError, CudaResult};
 use crate::cache::pool::SlotId;
 use crate::cache::sequence::{
-    chunk_limit_at, memory_report, plan_append, regions_at, seal_target, truncated_state,
+    chunk_limit_at, memory_report, plan_append, regions_at, seal_idle_plan, truncated_state,
     LayerImage, MemoryReport,
 };
 use crate::cache::staging::RowCodec;
@@ -526,23 +526,19 @@ impl DeviceSequence {
 
     /// Seals every layer back to `min_tail` unsealed tokens (between requests).
     pub fn seal_idle(&mut self) -> CudaResult<()> {
-        let needed: usize = self
-            .layers
-            .iter()
-            .map(|l| seal_target(&self.config, l.len, l.sealed) - l.sealed)
-            .sum();
+        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
+        let plan = seal_idle_plan(&self.config, &lens);
         let pool = self.pool.clone();
-        let mut slots = pool.slots.reserve(needed)?.into_iter();
-        for layer in 0..self.layers.len() {
-            let (from, len) = (self.layers[layer].sealed, self.layers[layer].len);
-            let to = seal_target(&self.config, len, from);
-            if to > from {
-                let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
-                if let Err(e) = self.seal_groups(layer, from, to, &ids) {
-                    pool.slots.release(&ids);
-                    pool.slots.release(&slots.collect::<Vec<_>>());
-                    return Err(e);
-                }
+        let mut slots = pool
+            .slots
+            .reserve(plan.iter().map(|p| p.2 - p.1).sum())?
+            .into_iter();
+        for (layer, from, to) in plan {
+            let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
+            if let Err(e) = self.seal_groups(layer, from, to, &ids) {
+                pool.slots.release(&ids);
+                pool.slots.release(&slots.collect::<Vec<_>>());
+                return Err(e);
             }
         }
         Ok(())
