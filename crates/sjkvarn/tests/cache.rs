@@ -424,3 +424,34 @@ fn fork_shares_sealed_records() {
     assert_eq!(m.sink_tokens + m.sealed_tokens + m.ring_tokens, 800);
     assert!(m.effective_bits > 4.0 && m.effective_bits < 16.0);
 }
+
+#[test]
+fn layer_images_rebuild_the_same_sequence() {
+    // The bytes a device backend copies in and out: a sequence rebuilt from its layer images
+    // has the same snapshot, and a mismatched image is refused.
+    let mut config = CacheConfig::uniform(2, 4, 2, 64, LayerCoding::scalar(3, 2), 4096);
+    config.min_tail = 256;
+    config.max_tail = 512;
+    config.max_chunk = 128;
+    let config = Arc::new(config);
+    let mut seq = Sequence::new(config.clone(), Sequence::pool_for(&config, 1)).unwrap();
+    let mut rng = sjkvarn::rng::SplitMix64::new(5);
+    for n in [300usize, 450, 7] {
+        for layer in 0..2 {
+            let k = rng.gaussians(n * 2 * 64);
+            let v = rng.gaussians(n * 2 * 64);
+            seq.append(layer, &k, &v).unwrap();
+        }
+    }
+    let images: Vec<_> = (0..2).map(|l| seq.layer_image(l).unwrap()).collect();
+    assert!(images[0].sealed > 0);
+    let back =
+        Sequence::from_images(config.clone(), Sequence::pool_for(&config, 1), &images).unwrap();
+    assert_eq!(back.snapshot_bytes(), seq.snapshot_bytes());
+    let mut bad = images.clone();
+    bad[1].sealed += 10;
+    assert!(Sequence::from_images(config.clone(), Sequence::pool_for(&config, 1), &bad).is_err());
+    let mut bad = images.clone();
+    bad[0].ring.pop();
+    assert!(Sequence::from_images(config.clone(), Sequence::pool_for(&config, 1), &bad).is_err());
+}

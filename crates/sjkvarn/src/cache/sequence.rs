@@ -537,7 +537,8 @@ impl Sequence {
     }
 
     /// A sequence holding exactly these layer images (for example copied back from a device).
-    /// Every image is checked against the configuration and the journal rule first.
+    /// Every image is checked against the configuration first (sizes, sealed groups within the
+    /// length, unsealed tokens within the ring).
     pub fn from_images(
         config: Arc<CacheConfig>,
         pool: Arc<RecordPool>,
@@ -554,8 +555,10 @@ impl Sequence {
         let slot = config.slot_bytes();
         for (i, img) in images.iter().enumerate() {
             let l = &seq.layers[i];
+            let body_end = SINK + GROUP * img.sealed;
             let bad = img.len > config.max_tokens
-                || img.sealed != sealed_groups_at(&config, img.len)
+                || (img.sealed > 0 && body_end > img.len)
+                || img.len.saturating_sub(body_end.max(SINK)) > config.ring_rows()
                 || img.sink_k.len() != l.sink_k.len()
                 || img.sink_v.len() != l.sink_v.len()
                 || img.ring.len() != l.ring.len()
