@@ -29,8 +29,18 @@ def install_tools(folder: Path) -> Path:
     cu13 = folder / "nvidia" / "cu13"
     if not (cu13 / "lib" / "libnvrtc.so.13").exists() or not (cu13 / "bin" / "ptxas").exists():
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
-             "--target", str(folder), *WHEELS],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--upgrade",
+                "--target",
+                str(folder),
+                *WHEELS,
+            ],
             check=True,
         )
     return cu13
@@ -44,12 +54,19 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             current = m.group(1)
-            kernels[current] = {"registers": 0, "spill_stores": 0, "spill_loads": 0,
-                                "stack": 0, "smem": 0}
+            kernels[current] = {
+                "registers": 0,
+                "spill_stores": 0,
+                "spill_loads": 0,
+                "stack": 0,
+                "smem": 0,
+            }
             continue
         if current is None:
             continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        )
         if m:
             k = kernels[current]
             k["stack"], k["spill_stores"], k["spill_loads"] = map(int, m.groups())
@@ -78,9 +95,25 @@ def main() -> int:
         p.unlink()  # always compile afresh here
     virtual = [a.replace("sm_", "compute_") for a in arches]
     build = subprocess.run(
-        ["cargo", "run", "--quiet", "--release", "-p", "sjkvarn", "--features", "cuda",
-         "--bin", "sjkvarn-cuda-ptx", "--", str(out), *virtual],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        [
+            "cargo",
+            "run",
+            "--quiet",
+            "--release",
+            "-p",
+            "sjkvarn",
+            "--features",
+            "cuda",
+            "--bin",
+            "sjkvarn-cuda-ptx",
+            "--",
+            str(out),
+            *virtual,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     print(build.stdout, end="")
     if build.returncode != 0:
@@ -89,10 +122,13 @@ def main() -> int:
         return 1
     report: dict[str, dict[str, dict[str, int]]] = {}
     failures = []
-    for arch, virt in zip(arches, virtual):
+    for arch, virt in zip(arches, virtual, strict=True):
         ptx = out / f"sjkvarn-{virt}.ptx"
-        res = subprocess.run([str(cu13 / "bin" / "ptxas"), "-v", f"-arch={arch}", str(ptx),
-                              "-o", os.devnull], capture_output=True, text=True)
+        res = subprocess.run(
+            [str(cu13 / "bin" / "ptxas"), "-v", f"-arch={arch}", str(ptx), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0:
             print(res.stderr, file=sys.stderr)
             failures.append(f"{arch}: ptxas failed")
@@ -100,10 +136,13 @@ def main() -> int:
         kernels = parse_ptxas(res.stderr + res.stdout)
         report[arch] = kernels
         print(f"\n{arch}: {len(kernels)} kernels")
-        print(f"  {'kernel':<20} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} {'smem':>6}")
+        header = ("kernel", "regs", "spill st", "spill ld", "stack", "smem")
+        print("  {:<20} {:>5} {:>9} {:>9} {:>6} {:>6}".format(*header))
         for name, k in sorted(kernels.items()):
-            print(f"  {name:<20} {k['registers']:>5} {k['spill_stores']:>9} {k['spill_loads']:>9}"
-                  f" {k['stack']:>6} {k['smem']:>6}")
+            print(
+                f"  {name:<20} {k['registers']:>5} {k['spill_stores']:>9} {k['spill_loads']:>9}"
+                f" {k['stack']:>6} {k['smem']:>6}"
+            )
             if name.startswith(DECODE_PREFIX) and (k["spill_stores"] or k["spill_loads"]):
                 failures.append(f"{arch} {name}: spills in the decode kernel")
         if not kernels:
