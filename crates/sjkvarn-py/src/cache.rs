@@ -101,6 +101,7 @@ pub(crate) fn build_config(
         max_tokens,
         balance,
         staging: Staging::from_name(staging).map_err(err)?,
+        key_schedules: Vec::new(),
     };
     config.validate().map_err(err)?;
     Ok(config)

@@ -44,6 +44,10 @@ pub enum TrellisAxis {
 pub enum BodyCoding {
     Scalar,
     Trellis(TrellisAxis),
+    /// Keys only: Block-GTQ, per-RoPE-block widths from a [`crate::gtq::KeySchedule`] whose mean
+    /// is `k_bits` (scalar rounding, variable width per channel). Records need the schedule to
+    /// encode or decode, so the plain `encode`/`decode` calls refuse them.
+    RopeBlocks,
 }
 
 /// Geometry of a body record: head size, K/V bit widths and K/V coding.
@@ -87,7 +91,7 @@ impl TileLayout {
     /// K tiles have channels as rows; V tiles have tokens as rows.
     fn of(coding: BodyCoding, is_key: bool) -> Self {
         match (coding, is_key) {
-            (BodyCoding::Scalar, _) => TileLayout::Scalar,
+            (BodyCoding::Scalar, _) | (BodyCoding::RopeBlocks, _) => TileLayout::Scalar,
             (BodyCoding::Trellis(TrellisAxis::Token), true) => TileLayout::RunsAlongRows,
             (BodyCoding::Trellis(TrellisAxis::Token), false) => TileLayout::RunsAlongCols,
             (BodyCoding::Trellis(TrellisAxis::Channel), true) => TileLayout::RunsAlongCols,
@@ -125,9 +129,20 @@ impl BodySpec {
     /// The same geometry with K and V coded as given (trellis needs 2, 3 or 4 bits).
     pub fn with_coding(self, k_coding: BodyCoding, v_coding: BodyCoding) -> Result<Self> {
         for (coding, bits) in [(k_coding, self.k_bits), (v_coding, self.v_bits)] {
-            if coding != BodyCoding::Scalar {
+            if let BodyCoding::Trellis(_) = coding {
                 trellis::shipped(bits)?;
             }
+        }
+        if v_coding == BodyCoding::RopeBlocks {
+            return Err(CodecError::InvalidSetting(
+                "RoPE-block coding applies to keys only".into(),
+            ));
+        }
+        if k_coding == BodyCoding::RopeBlocks && self.head_dim > 256 {
+            return Err(CodecError::InvalidSetting(format!(
+                "RoPE-block key coding needs head_dim <= 256, got {}",
+                self.head_dim
+            )));
         }
         Ok(Self {
             k_coding,
@@ -145,11 +160,11 @@ impl BodySpec {
         self.head_dim / self.width()
     }
 
-    fn k_code_bytes(&self) -> usize {
+    pub(crate) fn k_code_bytes(&self) -> usize {
         bitpack::packed_len(self.width() * GROUP, self.k_bits)
     }
 
-    fn v_code_bytes(&self) -> usize {
+    pub(crate) fn v_code_bytes(&self) -> usize {
         bitpack::packed_len(self.width() * GROUP, self.v_bits)
     }
 
@@ -180,9 +195,9 @@ impl BodySpec {
 }
 
 /// The fp16 step `a` and offset `z` of every row of a coded tile.
-struct RowAffine {
-    a: Vec<f16>,
-    z: Vec<f16>,
+pub(crate) struct RowAffine {
+    pub(crate) a: Vec<f16>,
+    pub(crate) z: Vec<f16>,
 }
 
 fn affine_to_f16(a: f32, z: f32) -> Result<(f16, f16)> {
@@ -198,7 +213,12 @@ fn affine_to_f16(a: f32, z: f32) -> Result<(f16, f16)> {
 
 /// Per-row asymmetric min/max rounding of `x` (rows x cols, already divided by the column
 /// scales); integer codes row-major.
-fn round_rows(x: &[f32], cols: usize, bits: u32, codes: &mut [u8]) -> Result<RowAffine> {
+pub(crate) fn round_rows(
+    x: &[f32],
+    cols: usize,
+    bits: u32,
+    codes: &mut [u8],
+) -> Result<RowAffine> {
     let rows = x.len() / cols;
     let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
     let top = ((1u32 << bits) - 1) as f32;
@@ -349,7 +369,7 @@ fn decode_tile_units(
     Ok(units)
 }
 
-fn divide_columns(tile: &[f32], cols: usize, col_scale: &[f16]) -> Vec<f32> {
+pub(crate) fn divide_columns(tile: &[f32], cols: usize, col_scale: &[f16]) -> Vec<f32> {
     let inv: Vec<f32> = col_scale.iter().map(|s| 1.0 / s.to_f32()).collect();
     tile.chunks_exact(cols)
         .flat_map(|row| row.iter().zip(&inv).map(|(v, i)| v * i))
@@ -358,7 +378,12 @@ fn divide_columns(tile: &[f32], cols: usize, col_scale: &[f16]) -> Vec<f32> {
 
 /// Column scales of a balanced tile, rounded to fp16 (always positive and finite: the column
 /// log scales are centred and clamped, so they lie within about e^±10.3).
-fn column_scales(tile: &[f32], rows: usize, cols: usize, config: &BalanceConfig) -> Vec<f16> {
+pub(crate) fn column_scales(
+    tile: &[f32],
+    rows: usize,
+    cols: usize,
+    config: &BalanceConfig,
+) -> Vec<f16> {
     let b = balance(tile, rows, cols, config);
     b.col_log
         .iter()
@@ -366,7 +391,7 @@ fn column_scales(tile: &[f32], rows: usize, cols: usize, config: &BalanceConfig)
         .collect()
 }
 
-fn write_f16s(out: &mut [u8], values: &[f16]) -> usize {
+pub(crate) fn write_f16s(out: &mut [u8], values: &[f16]) -> usize {
     for (chunk, v) in out.chunks_exact_mut(2).zip(values) {
         chunk.copy_from_slice(&v.to_le_bytes());
     }
@@ -381,6 +406,63 @@ fn read_f32s(bytes: &[u8], n: usize) -> Vec<f32> {
 }
 
 impl BodySpec {
+    fn refuse_rope_blocks(&self) -> Result<()> {
+        if self.k_coding == BodyCoding::RopeBlocks {
+            return Err(CodecError::InvalidSetting(
+                "RoPE-block keys need their key schedule (sjkvarn::gtq)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The value half of a single-half record (head_dim <= 256) from rotated V `[G][head_dim]`:
+    /// writes the V codes and returns `(a_v, z_v, s_v)`. Shared with the RoPE-block key coding.
+    pub(crate) fn encode_value_half(
+        &self,
+        v: &[f32],
+        config: &BalanceConfig,
+        v_codes: &mut [u8],
+    ) -> Result<(Vec<f16>, Vec<f16>, Vec<f16>)> {
+        let r = self.width();
+        let s_v = column_scales(v, GROUP, r, config);
+        let xv = divide_columns(v, r, &s_v);
+        let v_layout = TileLayout::of(self.v_coding, false);
+        let RowAffine { a, z } = encode_tile(&xv, r, self.v_bits, v_layout, v_codes)?;
+        Ok((a, z, s_v))
+    }
+
+    /// A single-half record's values and key metadata, with no key units (the caller decodes
+    /// the key codes).
+    pub(crate) fn decode_value_half(&self, record: &[u8]) -> Result<DecodedHalf> {
+        if record.len() != self.record_bytes() || self.halves() != 1 {
+            return Err(CodecError::LengthMismatch {
+                what: "body record",
+                expected: self.record_bytes(),
+                got: record.len(),
+            });
+        }
+        let r = self.width();
+        let (_, rest) = record.split_at(self.k_code_bytes());
+        let (v_codes, meta) = rest.split_at(self.v_code_bytes());
+        let m = &meta[(2 * r + GROUP) * 2..];
+        Ok(DecodedHalf {
+            k_units: Vec::new(),
+            a_k: read_f32s(meta, r),
+            z_k: read_f32s(&meta[2 * r..], r),
+            s_k: read_f32s(&meta[4 * r..], GROUP),
+            v_units: decode_tile_units(
+                v_codes,
+                GROUP,
+                r,
+                self.v_bits,
+                TileLayout::of(self.v_coding, false),
+            )?,
+            a_v: read_f32s(m, GROUP),
+            z_v: read_f32s(&m[2 * GROUP..], GROUP),
+            s_v: read_f32s(&m[4 * GROUP..], r),
+        })
+    }
+
     fn check_tile(&self, what: &'static str, tile: &[f32]) -> Result<()> {
         let expected = GROUP * self.head_dim;
         if tile.len() != expected {
@@ -405,6 +487,7 @@ impl BodySpec {
         self.check_tile("K tile", k)?;
         self.check_tile("V tile", v)?;
         config.validate()?;
+        self.refuse_rope_blocks()?;
         if out.len() != self.record_bytes() {
             return Err(CodecError::LengthMismatch {
                 what: "record buffer",
@@ -494,6 +577,7 @@ impl BodySpec {
     /// `K[t, c] = (k_units[c*G + t] * a_k[c] + z_k[c]) * s_k[t]`,
     /// `V[t, c] = (v_units[t*R + c] * a_v[t] + z_v[t]) * s_v[c]` (rotated frame, `c < R`).
     pub fn decode_half(&self, record: &[u8], half: usize) -> Result<DecodedHalf> {
+        self.refuse_rope_blocks()?;
         if record.len() != self.record_bytes() || half >= self.halves() {
             return Err(CodecError::LengthMismatch {
                 what: "body record",

@@ -76,6 +76,8 @@ pub fn coding_code(coding: BodyCoding, is_key: bool) -> i32 {
         (BodyCoding::Trellis(TrellisAxis::Token), false) => 2,
         (BodyCoding::Trellis(TrellisAxis::Channel), true) => 2,
         (BodyCoding::Trellis(TrellisAxis::Channel), false) => 1,
+        // No kernel codes RoPE-block keys; the device path refuses such layers up front.
+        (BodyCoding::RopeBlocks, _) => -1,
     }
 }
 

@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod ggml;
+pub mod gtq;
 pub mod hadamard;
 pub mod kernel_abi;
 pub mod lloyd_max;

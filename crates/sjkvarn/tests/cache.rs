@@ -455,3 +455,88 @@ fn layer_images_rebuild_the_same_sequence() {
     bad[0].ring.pop();
     assert!(Sequence::from_images(config.clone(), Sequence::pool_for(&config, 1), &bad).is_err());
 }
+
+#[test]
+fn block_gtq_layers_attend_over_their_decoded_records() {
+    // A layer with RoPE-block keys: sealed records decode (sjkvarn::gtq) to keys and values
+    // whose exact attention, together with the sink and the decoded ring, equals `attend`.
+    use sjkvarn::cache::staging::RowCodec;
+    use sjkvarn::gtq::{allocate, decode_record_model_frame, KeySchedule};
+    let (d, kvh, qh) = (64usize, 2usize, 6usize);
+    let mut config = CacheConfig::uniform(1, qh, kvh, d, LayerCoding::scalar(3, 2), 4096);
+    config.layer_coding[0].k_coding = BodyCoding::RopeBlocks;
+    config.min_tail = 256;
+    config.max_tail = 512;
+    config.max_chunk = 128;
+    let schedules: Vec<KeySchedule> = (0..kvh)
+        .map(|h| {
+            let scores: Vec<f64> = (0..d / 2).map(|i| 1.0 + ((i * 7 + h * 3) % 11) as f64).collect();
+            KeySchedule::new(d, allocate(&scores, 3 * (d / 2) as u32).unwrap()).unwrap()
+        })
+        .collect();
+    config.key_schedules = vec![schedules.clone()];
+    let config = Arc::new(config);
+    let mut seq = Sequence::new(config.clone(), Sequence::pool_for(&config, 1)).unwrap();
+    let mut rng = SplitMix64::new(12);
+    let n = 900;
+    let k = rng.gaussians(n * kvh * d);
+    let v = rng.gaussians(n * kvh * d);
+    seq.append(0, &k, &v).unwrap();
+    let img = seq.layer_image(0).unwrap();
+    assert!(img.sealed >= 3);
+    // Dense decoded cache per KV head, model frame.
+    let spec = config.body_spec(0);
+    let rb = spec.record_bytes();
+    let rows = RowCodec::new(config.staging, d);
+    let mut dk = vec![vec![0.0f32; n * d]; kvh];
+    let mut dv = vec![vec![0.0f32; n * d]; kvh];
+    for h in 0..kvh {
+        for t in 0..SINK {
+            for c in 0..d {
+                let at = (t * kvh + h) * d + c;
+                dk[h][t * d + c] = half::f16::from_bits(img.sink_k[at]).to_f32();
+                dv[h][t * d + c] = half::f16::from_bits(img.sink_v[at]).to_f32();
+            }
+        }
+        for g in 0..img.sealed {
+            let rec = &img.records[g * config.slot_bytes() + h * rb..][..rb];
+            let (kk, vv) = decode_record_model_frame(&spec, &schedules[h], rec).unwrap();
+            let at = (SINK + g * 128) * d;
+            dk[h][at..at + 128 * d].copy_from_slice(&kk);
+            dv[h][at..at + 128 * d].copy_from_slice(&vv);
+        }
+        for pos in SINK + img.sealed * 128..n {
+            let idx = (pos - SINK) % config.ring_rows();
+            for (value, dst) in [(0usize, &mut dk[h]), (1, &mut dv[h])] {
+                let at = ((idx * kvh + h) * 2 + value) * rows.row_bytes();
+                let mut row = vec![0.0f32; d];
+                rows.decode(&img.ring[at..at + rows.row_bytes()], &mut row);
+                sjkvarn::hadamard::rotate_rows(&mut row, d).unwrap();
+                dst[pos * d..(pos + 1) * d].copy_from_slice(&row);
+            }
+        }
+    }
+    let q = rng.gaussians(qh * d);
+    let got = attend(&seq, 0, &q, None).unwrap();
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut max_err = 0.0f64;
+    for head in 0..qh {
+        let h = head / (qh / kvh);
+        let qv = &q[head * d..(head + 1) * d];
+        let logits: Vec<f64> = (0..n)
+            .map(|t| (0..d).map(|c| qv[c] as f64 * dk[h][t * d + c] as f64).sum::<f64>() * scale)
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+        let total: f64 = w.iter().sum();
+        for c in 0..d {
+            let want = (0..n).map(|t| w[t] * dv[h][t * d + c] as f64).sum::<f64>() / total;
+            max_err = max_err.max((want - got[head * d + c] as f64).abs());
+        }
+    }
+    assert!(max_err < 1e-4, "GTQ attention differs from its decoded cache by {max_err}");
+    // Snapshots carry the schedules.
+    let back = Sequence::from_snapshot(&seq.snapshot_bytes(), None, None).unwrap();
+    assert_eq!(back.config().key_schedules, config.key_schedules);
+    assert_eq!(back.snapshot_bytes(), seq.snapshot_bytes());
+}

@@ -258,17 +258,36 @@ pub fn attend(
 
             // Body records (rotated frame, absorbed scales).
             let rb = spec.record_bytes();
+            let schedule = cfg.key_schedule(layer, h);
+            let q_keyed: Option<Vec<f32>> = schedule.map(|s| {
+                let mut out = vec![0.0f32; n * gs * d];
+                for i in 0..n {
+                    for j in 0..gs {
+                        let at = (i * gs + j) * d;
+                        s.forward(ctx.query(false, i, j), &mut out[at..at + d]);
+                    }
+                }
+                out
+            });
             for (g, &slot) in lj.blocks.iter().enumerate() {
                 let first = SINK + g * GROUP;
                 let bytes = seq.pool().get(slot);
                 let record = &bytes[h * rb..(h + 1) * rb];
-                let halves: Vec<_> = (0..spec.half_count())
-                    .map(|half| spec.decode_half(record, half))
-                    .collect::<crate::Result<_>>()?;
+                let halves: Vec<_> = match schedule {
+                    Some(s) => vec![crate::gtq::decode_record(&spec, s, record)?],
+                    None => (0..spec.half_count())
+                        .map(|half| spec.decode_half(record, half))
+                        .collect::<crate::Result<_>>()?,
+                };
                 for i in 0..n {
                     let visible = ctx.visible(i, first, GROUP);
                     for j in 0..gs {
-                        let qv = ctx.query(true, i, j);
+                        // Keys are scored in the record's frame: the Hadamard frame, or the
+                        // Block-GTQ schedule's frame for RoPE-block keys.
+                        let qv = match &q_keyed {
+                            Some(qk) => &qk[(i * gs + j) * d..(i * gs + j + 1) * d],
+                            None => ctx.query(true, i, j),
+                        };
                         logits[..visible].fill(0.0);
                         for (half, hd) in halves.iter().enumerate() {
                             add_key_scores(

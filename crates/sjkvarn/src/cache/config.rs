@@ -2,6 +2,7 @@
 
 use super::{CacheError, CacheResult};
 use crate::balance::BalanceConfig;
+use crate::gtq::KeySchedule;
 use crate::body::{BodyCoding, BodySpec, GROUP};
 
 /// Tokens kept in fp16 at the start of every sequence.
@@ -81,6 +82,10 @@ pub struct CacheConfig {
     pub max_tokens: usize,
     pub balance: BalanceConfig,
     pub staging: Staging,
+    /// Block-GTQ key schedules: for every layer whose keys use `BodyCoding::RopeBlocks`, one
+    /// schedule per KV head; empty for every other layer (and entirely empty when no layer
+    /// uses them).
+    pub key_schedules: Vec<Vec<KeySchedule>>,
 }
 
 impl CacheConfig {
@@ -106,6 +111,7 @@ impl CacheConfig {
             max_tokens,
             balance: BalanceConfig::default(),
             staging: Staging::Tq6,
+            key_schedules: Vec::new(),
         }
     }
 
@@ -161,7 +167,61 @@ impl CacheConfig {
         self.balance
             .validate()
             .map_err(|e| CacheError::InvalidConfig(e.to_string()))?;
+        self.validate_key_schedules()
+    }
+
+    fn validate_key_schedules(&self) -> CacheResult<()> {
+        let bad = |m: String| Err(CacheError::InvalidConfig(m));
+        let any = self
+            .layer_coding
+            .iter()
+            .any(|lc| lc.k_coding == BodyCoding::RopeBlocks);
+        if !any {
+            if self.key_schedules.iter().any(|l| !l.is_empty()) {
+                return bad("key schedules given but no layer uses RoPE-block keys".into());
+            }
+            return Ok(());
+        }
+        if self.key_schedules.len() != self.layers {
+            return bad(format!(
+                "key_schedules has {} layers, the configuration {}",
+                self.key_schedules.len(),
+                self.layers
+            ));
+        }
+        for (i, (lc, heads)) in self.layer_coding.iter().zip(&self.key_schedules).enumerate() {
+            if lc.k_coding != BodyCoding::RopeBlocks {
+                if !heads.is_empty() {
+                    return bad(format!("layer {i} has key schedules but scalar/trellis keys"));
+                }
+                continue;
+            }
+            if heads.len() != self.kv_heads {
+                return bad(format!(
+                    "layer {i}: {} key schedules for {} KV heads",
+                    heads.len(),
+                    self.kv_heads
+                ));
+            }
+            for (h, s) in heads.iter().enumerate() {
+                if s.head_dim() != self.head_dim || !s.averages(lc.k_bits) {
+                    return bad(format!(
+                        "layer {i} head {h}: the key schedule (head_dim {}, {:.3} bits) does \
+                         not match head_dim {} at {} key bits",
+                        s.head_dim(),
+                        s.average_bits(),
+                        self.head_dim,
+                        lc.k_bits
+                    ));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The Block-GTQ schedule of `layer`'s KV head `head`, if its keys use one.
+    pub fn key_schedule(&self, layer: usize, head: usize) -> Option<&KeySchedule> {
+        self.key_schedules.get(layer).and_then(|l| l.get(head))
     }
 
     fn body_spec_for(&self, lc: &LayerCoding) -> crate::Result<BodySpec> {

@@ -436,12 +436,11 @@ impl Sequence {
                         rotate_rows(&mut kt, d)?;
                         rotate_rows(&mut vt, d)?;
                     }
-                    spec.encode_rotated(
-                        &kt,
-                        &vt,
-                        &cfg.balance,
-                        &mut slot[head * rb..(head + 1) * rb],
-                    )?;
+                    let out = &mut slot[head * rb..(head + 1) * rb];
+                    match cfg.key_schedule(layer, head) {
+                        Some(s) => crate::gtq::encode_record(&spec, s, &kt, &vt, &cfg.balance, out)?,
+                        None => spec.encode_rotated(&kt, &vt, &cfg.balance, out)?,
+                    }
                 }
                 Ok(slot)
             })

@@ -191,6 +191,15 @@ impl DeviceSequence {
                 config.staging
             )));
         }
+        if let Some(layer) = config
+            .layer_coding
+            .iter()
+            .position(|lc| lc.k_coding == crate::body::BodyCoding::RopeBlocks)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "layer {layer} uses Block-GTQ (RoPE-block) keys, which run on the CPU only"
+            )));
+        }
         pool.kernels.attend(config.group_size())?;
         if pool.slot_bytes() < config.slot_bytes() {
             return Err(CacheError::InvalidConfig(format!(
