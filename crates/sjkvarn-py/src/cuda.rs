@@ -109,7 +109,7 @@ impl DeviceCache {
 #[pymethods]
 impl DeviceCache {
     #[new]
-    #[pyo3(signature = (ordinal, layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1))]
+    #[pyo3(signature = (ordinal, layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1, key_schedules=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         ordinal: usize,
@@ -127,6 +127,7 @@ impl DeviceCache {
         stat: &str,
         staging: &str,
         pool_sequences: usize,
+        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
     ) -> PyResult<Self> {
         let config = build_config(
             layers,
@@ -137,6 +138,7 @@ impl DeviceCache {
             (min_tail, max_tail, max_chunk, max_tokens),
             (passes, mode, stat),
             staging,
+            key_schedules,
         )?;
         let pool = DevicePool::for_config(ordinal, &config, pool_sequences).map_err(cuda_err)?;
         let seq = DeviceSequence::new(Arc::new(config), pool).map_err(cuda_err)?;

@@ -213,12 +213,7 @@ fn affine_to_f16(a: f32, z: f32) -> Result<(f16, f16)> {
 
 /// Per-row asymmetric min/max rounding of `x` (rows x cols, already divided by the column
 /// scales); integer codes row-major.
-pub(crate) fn round_rows(
-    x: &[f32],
-    cols: usize,
-    bits: u32,
-    codes: &mut [u8],
-) -> Result<RowAffine> {
+pub(crate) fn round_rows(x: &[f32], cols: usize, bits: u32, codes: &mut [u8]) -> Result<RowAffine> {
     let rows = x.len() / cols;
     let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
     let top = ((1u32 << bits) - 1) as f32;

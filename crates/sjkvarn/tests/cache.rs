@@ -470,7 +470,9 @@ fn block_gtq_layers_attend_over_their_decoded_records() {
     config.max_chunk = 128;
     let schedules: Vec<KeySchedule> = (0..kvh)
         .map(|h| {
-            let scores: Vec<f64> = (0..d / 2).map(|i| 1.0 + ((i * 7 + h * 3) % 11) as f64).collect();
+            let scores: Vec<f64> = (0..d / 2)
+                .map(|i| 1.0 + ((i * 7 + h * 3) % 11) as f64)
+                .collect();
             KeySchedule::new(d, allocate(&scores, 3 * (d / 2) as u32).unwrap()).unwrap()
         })
         .collect();
@@ -524,7 +526,12 @@ fn block_gtq_layers_attend_over_their_decoded_records() {
         let h = head / (qh / kvh);
         let qv = &q[head * d..(head + 1) * d];
         let logits: Vec<f64> = (0..n)
-            .map(|t| (0..d).map(|c| qv[c] as f64 * dk[h][t * d + c] as f64).sum::<f64>() * scale)
+            .map(|t| {
+                (0..d)
+                    .map(|c| qv[c] as f64 * dk[h][t * d + c] as f64)
+                    .sum::<f64>()
+                    * scale
+            })
             .collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
         let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
@@ -534,7 +541,10 @@ fn block_gtq_layers_attend_over_their_decoded_records() {
             max_err = max_err.max((want - got[head * d + c] as f64).abs());
         }
     }
-    assert!(max_err < 1e-4, "GTQ attention differs from its decoded cache by {max_err}");
+    assert!(
+        max_err < 1e-4,
+        "GTQ attention differs from its decoded cache by {max_err}"
+    );
     // Snapshots carry the schedules.
     let back = Sequence::from_snapshot(&seq.snapshot_bytes(), None, None).unwrap();
     assert_eq!(back.config().key_schedules, config.key_schedules);

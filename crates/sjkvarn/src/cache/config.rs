@@ -2,8 +2,8 @@
 
 use super::{CacheError, CacheResult};
 use crate::balance::BalanceConfig;
-use crate::gtq::KeySchedule;
 use crate::body::{BodyCoding, BodySpec, GROUP};
+use crate::gtq::KeySchedule;
 
 /// Tokens kept in fp16 at the start of every sequence.
 pub const SINK: usize = 128;
@@ -189,10 +189,17 @@ impl CacheConfig {
                 self.layers
             ));
         }
-        for (i, (lc, heads)) in self.layer_coding.iter().zip(&self.key_schedules).enumerate() {
+        for (i, (lc, heads)) in self
+            .layer_coding
+            .iter()
+            .zip(&self.key_schedules)
+            .enumerate()
+        {
             if lc.k_coding != BodyCoding::RopeBlocks {
                 if !heads.is_empty() {
-                    return bad(format!("layer {i} has key schedules but scalar/trellis keys"));
+                    return bad(format!(
+                        "layer {i} has key schedules but scalar/trellis keys"
+                    ));
                 }
                 continue;
             }

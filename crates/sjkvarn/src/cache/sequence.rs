@@ -438,7 +438,9 @@ impl Sequence {
                     }
                     let out = &mut slot[head * rb..(head + 1) * rb];
                     match cfg.key_schedule(layer, head) {
-                        Some(s) => crate::gtq::encode_record(&spec, s, &kt, &vt, &cfg.balance, out)?,
+                        Some(s) => {
+                            crate::gtq::encode_record(&spec, s, &kt, &vt, &cfg.balance, out)?
+                        }
                         None => spec.encode_rotated(&kt, &vt, &cfg.balance, out)?,
                     }
                 }

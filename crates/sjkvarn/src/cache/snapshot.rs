@@ -164,7 +164,10 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         });
     }
     let mut key_schedules = Vec::new();
-    if layer_coding.iter().any(|lc| lc.k_coding == BodyCoding::RopeBlocks) {
+    if layer_coding
+        .iter()
+        .any(|lc| lc.k_coding == BodyCoding::RopeBlocks)
+    {
         if kv_heads > 1024 || !(64..=256).contains(&head_dim) {
             return Err(corrupt("key schedule geometry"));
         }
