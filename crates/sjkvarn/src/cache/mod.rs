@@ -10,6 +10,8 @@
 
 pub mod attention;
 pub mod config;
+#[doc(hidden)]
+pub mod faults;
 pub mod pool;
 pub mod sequence;
 pub mod snapshot;

@@ -18,6 +18,13 @@ use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
 
+/// Staged rows of an append in progress: row `(pos - first) * kv_heads + head` (K, V).
+#[derive(Clone, Copy)]
+struct StagedRows<'a> {
+    bytes: &'a [u8],
+    first: usize,
+}
+
 /// One layer's journal.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerJournal {
@@ -368,18 +375,32 @@ impl Sequence {
         let needed = sealed - l.sealed;
         let mut slots = self.pool.reserve(needed)?.into_iter();
 
-        // 3. Execute: seals (infallible after the checks above, barring a codec overflow that
-        //    staged values cannot produce) then ring writes.
-        let mut written = 0usize;
-        for (take, target) in plan {
-            let from = self.layers[layer].sealed;
-            if target > from {
-                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
-                if let Err(e) = self.seal_groups(layer, from, target, &ids) {
-                    self.pool.release(&ids);
+        // 3. Encode every record the plan seals before changing anything. A seal may need rows
+        //    of this append (staged above, not yet in the ring), read from `staged`.
+        let mut sealed_records = Vec::with_capacity(plan.len());
+        let mut from = l.sealed;
+        for &(_, target) in &plan {
+            let staged_rows = Some(StagedRows {
+                bytes: &staged,
+                first: SINK.max(start),
+            });
+            match self.encode_groups(layer, from, target, staged_rows) {
+                Ok(records) => sealed_records.push(records),
+                Err(e) => {
                     self.pool.release(&slots.collect::<Vec<_>>());
                     return Err(e);
                 }
+            }
+            from = target;
+        }
+
+        // 4. Commit, chunk by chunk: seals then ring writes. Nothing below can fail.
+        let mut written = 0usize;
+        for ((take, target), records) in plan.into_iter().zip(sealed_records) {
+            let from = self.layers[layer].sealed;
+            if target > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
+                self.commit_groups(layer, target, records, &ids);
             }
             for t in written..written + take {
                 let pos = start + t;
@@ -407,32 +428,44 @@ impl Sequence {
         Ok(())
     }
 
-    /// Seals groups `from..to` of `layer` into `slots` (already reserved, one per group).
-    fn seal_groups(
-        &mut self,
+    /// Encodes the records of groups `from..to` of `layer` (one `Vec` per group, all KV heads)
+    /// without changing anything. Rows at positions from `staged.first` on come from `staged`
+    /// (an append's rows, not yet in the ring), the rest from the ring.
+    fn encode_groups(
+        &self,
         layer: usize,
         from: usize,
         to: usize,
-        slots: &[SlotId],
-    ) -> CacheResult<()> {
-        let cfg = self.config.clone();
+        staged: Option<StagedRows<'_>>,
+    ) -> CacheResult<Vec<Vec<u8>>> {
+        let cfg = &self.config;
         let spec = cfg.body_spec(layer);
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let rb = spec.record_bytes();
+        let row_bytes = self.rows.row_bytes();
         let lj = &self.layers[layer];
-        let this = &*self;
         let records: Vec<CacheResult<Vec<u8>>> = (from..to)
             .into_par_iter()
             .map(|g| {
                 let mut slot = vec![0u8; h * rb];
                 let (mut kt, mut vt) = (vec![0.0f32; GROUP * d], vec![0.0f32; GROUP * d]);
                 for head in 0..h {
+                    super::faults::check_record()?;
                     for t in 0..GROUP {
                         let pos = SINK + g * GROUP + t;
-                        this.ring_row(lj, pos, head, false, &mut kt[t * d..(t + 1) * d]);
-                        this.ring_row(lj, pos, head, true, &mut vt[t * d..(t + 1) * d]);
+                        for (value, tile) in [(false, &mut kt), (true, &mut vt)] {
+                            let out = &mut tile[t * d..(t + 1) * d];
+                            match staged {
+                                Some(s) if pos >= s.first => {
+                                    let row = ((pos - s.first) * h + head) * 2 + value as usize;
+                                    let bytes = &s.bytes[row * row_bytes..(row + 1) * row_bytes];
+                                    self.rows.decode(bytes, out);
+                                }
+                                _ => self.ring_row(lj, pos, head, value, out),
+                            }
+                        }
                     }
-                    if !this.rows.rotated() {
+                    if !self.rows.rotated() {
                         rotate_rows(&mut kt, d)?;
                         rotate_rows(&mut vt, d)?;
                     }
@@ -447,34 +480,39 @@ impl Sequence {
                 Ok(slot)
             })
             .collect();
-        let mut filled = Vec::with_capacity(records.len());
-        for r in records {
-            filled.push(r?);
-        }
-        for (bytes, &id) in filled.into_iter().zip(slots) {
+        records.into_iter().collect()
+    }
+
+    /// Makes encoded records visible: fills the reserved `slots` and advances the block table.
+    fn commit_groups(&mut self, layer: usize, to: usize, records: Vec<Vec<u8>>, slots: &[SlotId]) {
+        for (bytes, &id) in records.into_iter().zip(slots) {
             self.pool.fill(id, Arc::from(bytes));
         }
         let lj = &mut self.layers[layer];
         lj.blocks.extend_from_slice(slots);
         lj.sealed = to;
-        Ok(())
     }
 
-    /// Seals every layer back to `min_tail` unsealed tokens (between requests).
+    /// Seals every layer back to `min_tail` unsealed tokens (between requests). Every record is
+    /// encoded before any layer changes, so a failure leaves the sequence as it was.
     pub fn seal_idle(&mut self) -> CacheResult<()> {
         let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
         let plan = seal_idle_plan(&self.config, &lens);
-        let mut slots = self
-            .pool
-            .reserve(plan.iter().map(|p| p.2 - p.1).sum())?
-            .into_iter();
-        for (layer, from, to) in plan {
-            let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
-            if let Err(e) = self.seal_groups(layer, from, to, &ids) {
-                self.pool.release(&ids);
-                self.pool.release(&slots.collect::<Vec<_>>());
-                return Err(e);
+        let slots = self.pool.reserve(plan.iter().map(|p| p.2 - p.1).sum())?;
+        let mut encoded = Vec::with_capacity(plan.len());
+        for &(layer, from, to) in &plan {
+            match self.encode_groups(layer, from, to, None) {
+                Ok(records) => encoded.push(records),
+                Err(e) => {
+                    self.pool.release(&slots);
+                    return Err(e);
+                }
             }
+        }
+        let mut slots = slots.into_iter();
+        for ((layer, from, to), records) in plan.into_iter().zip(encoded) {
+            let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
+            self.commit_groups(layer, to, records, &ids);
         }
         Ok(())
     }

@@ -245,6 +245,10 @@ impl Sequence {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let result = (|| {
             let mut f = std::fs::File::create(&tmp)?;
+            if let Some(limit) = super::faults::take_snapshot_limit() {
+                f.write_all(&bytes[..limit.min(bytes.len())])?;
+                return Err(std::io::Error::other("injected failure while writing"));
+            }
             f.write_all(&bytes)?;
             f.sync_all()?;
             std::fs::rename(&tmp, path)
