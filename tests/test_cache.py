@@ -216,3 +216,18 @@ def test_fork_truncate_and_pool_exhaustion() -> None:
         length = seq.length(0)
         out = seq.attend(0, torch.randn(length, 2, 64, generator=gen))
         assert torch.isfinite(out).all()
+
+
+def test_too_large_for_this_machine_is_memory_error_not_abort() -> None:
+    big = Config(
+        layers=4096,
+        kv_heads=1024,
+        q_heads=1024,
+        head_dim=512,
+        min_tail=4096,
+        max_tail=4_000_000,
+        max_chunk=65536,
+        max_tokens=16_000_000,
+    )
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        Cache(big)

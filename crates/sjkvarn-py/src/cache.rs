@@ -3,7 +3,7 @@
 use crate::dlpack::{read_f32, with_f32_out};
 use crate::{coding, CodecError};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyIndexError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::cache::attention::attend;
@@ -41,6 +41,7 @@ pub(crate) fn err(e: CoreError) -> PyErr {
         CoreError::PoolExhausted { .. } => PoolExhaustedError::new_err(e.to_string()),
         CoreError::Snapshot(_) => SnapshotError::new_err(e.to_string()),
         CoreError::Io(_) => PyOSError::new_err(e.to_string()),
+        CoreError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
         CoreError::Codec(c) => CodecError::new_err(c.to_string()),
         _ => CacheError::new_err(e.to_string()),
     }

@@ -550,3 +550,17 @@ fn block_gtq_layers_attend_over_their_decoded_records() {
     assert_eq!(back.config().key_schedules, config.key_schedules);
     assert_eq!(back.snapshot_bytes(), seq.snapshot_bytes());
 }
+
+#[test]
+fn configurations_too_large_for_the_machine_are_errors_not_aborts() {
+    let mut config = CacheConfig::uniform(4096, 1024, 1024, 512, LayerCoding::scalar(4, 4), 1 << 24);
+    config.max_tail = 4_000_000;
+    config.max_chunk = 65_536;
+    let config = Arc::new(config);
+    config.validate().unwrap();
+    let pool = Sequence::pool_for(&config, 4);
+    assert!(matches!(
+        Sequence::new(config, pool),
+        Err(CacheError::OutOfMemory { .. })
+    ));
+}

@@ -64,6 +64,10 @@ pub enum CacheError {
 
     #[error("snapshot i/o: {0}")]
     Io(String),
+
+    /// The configuration is valid but this machine cannot allocate it; nothing was allocated.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory { what: &'static str, bytes: usize },
 }
 
 pub type CacheResult<T> = std::result::Result<T, CacheError>;

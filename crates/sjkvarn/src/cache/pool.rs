@@ -11,11 +11,21 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Index of a slot in the pool.
 pub type SlotId = u32;
 
+/// Slot table, grown on demand up to `capacity`: a pool sized for a long context costs nothing
+/// until its slots are used, and growing it can fail with an error instead of aborting.
 #[derive(Debug, Default)]
 struct Slots {
+    capacity: usize,
     data: Vec<Option<Arc<[u8]>>>,
     refs: Vec<u32>,
+    /// Released slots, reused before new ones.
     free: Vec<SlotId>,
+}
+
+impl Slots {
+    fn available(&self) -> usize {
+        self.free.len() + (self.capacity - self.data.len())
+    }
 }
 
 /// Occupancy figures.
@@ -34,11 +44,12 @@ pub struct RecordPool {
 }
 
 impl RecordPool {
+    /// A pool of up to `capacity` slots (at most `u32::MAX`); slot tables grow as slots are
+    /// first used.
     pub fn new(slot_bytes: usize, capacity: usize) -> Arc<Self> {
         let slots = Slots {
-            data: vec![None; capacity],
-            refs: vec![0; capacity],
-            free: (0..capacity as SlotId).rev().collect(),
+            capacity: capacity.min(SlotId::MAX as usize),
+            ..Slots::default()
         };
         Arc::new(Self {
             slot_bytes,
@@ -59,7 +70,7 @@ impl RecordPool {
     pub fn stats(&self) -> PoolStats {
         let s = self.lock();
         PoolStats {
-            capacity: s.data.len(),
+            capacity: s.capacity,
             used: s.data.len() - s.free.len(),
             slot_bytes: self.slot_bytes,
         }
@@ -68,15 +79,28 @@ impl RecordPool {
     /// Reserves `n` slots (reference count 1, empty) or none at all.
     pub fn reserve(&self, n: usize) -> CacheResult<Vec<SlotId>> {
         let mut s = self.lock();
-        if s.free.len() < n {
+        if s.available() < n {
             return Err(CacheError::PoolExhausted {
                 needed: n,
-                free: s.free.len(),
-                capacity: s.data.len(),
+                free: s.available(),
+                capacity: s.capacity,
             });
         }
-        let at = s.free.len() - n;
-        let ids: Vec<SlotId> = s.free.split_off(at);
+        let reused = n.min(s.free.len());
+        let fresh = n - reused;
+        let oom = |_| CacheError::OutOfMemory {
+            what: "record pool slot table",
+            bytes: fresh * (std::mem::size_of::<Option<Arc<[u8]>>>() + 4),
+        };
+        s.data.try_reserve(fresh).map_err(oom)?;
+        s.refs.try_reserve(fresh).map_err(oom)?;
+        let at = s.free.len() - reused;
+        let mut ids: Vec<SlotId> = s.free.split_off(at);
+        for _ in 0..fresh {
+            ids.push(s.data.len() as SlotId);
+            s.data.push(None);
+            s.refs.push(0);
+        }
         for &id in &ids {
             s.refs[id as usize] = 1;
         }

@@ -18,6 +18,35 @@ use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
 
+/// `n` copies of `value`, or an out-of-memory error instead of an abort.
+fn zeroed<T: Clone>(n: usize, value: T, what: &'static str) -> CacheResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| CacheError::OutOfMemory {
+        what,
+        bytes: n.saturating_mul(std::mem::size_of::<T>()),
+    })?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// `n` zero bytes, fallibly and lazily zeroed by the allocator (untouched ring rows cost no
+/// resident memory, as with `vec![0; n]`).
+fn zeroed_bytes(n: usize, what: &'static str) -> CacheResult<Vec<u8>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let oom = || CacheError::OutOfMemory { what, bytes: n };
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| oom())?;
+    // SAFETY: the layout has a non-zero size (n > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[u8; n]`, and all `n`
+    // bytes are initialised (zeroed); the Vec takes ownership and frees it with that layout.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 /// Staged rows of an append in progress: row `(pos - first) * kv_heads + head` (K, V).
 #[derive(Clone, Copy)]
 struct StagedRows<'a> {
@@ -218,16 +247,27 @@ impl Sequence {
         let rows = RowCodec::new(config.staging, config.head_dim);
         let per_pos = config.kv_heads * config.head_dim;
         let ring = config.ring_rows() * config.kv_heads * 2 * rows.row_bytes();
-        let layer = LayerJournal {
-            len: 0,
-            sealed: 0,
-            sink_k: vec![f16::ZERO; SINK * per_pos],
-            sink_v: vec![f16::ZERO; SINK * per_pos],
-            ring: vec![0u8; ring],
-            blocks: Vec::new(),
-        };
+        // Fallible allocation: a configuration too large for this machine is an error, never an
+        // abort of the host process.
+        let mut layers = Vec::new();
+        layers
+            .try_reserve_exact(config.layers)
+            .map_err(|_| CacheError::OutOfMemory {
+                what: "layer table",
+                bytes: config.layers * std::mem::size_of::<LayerJournal>(),
+            })?;
+        for _ in 0..config.layers {
+            layers.push(LayerJournal {
+                len: 0,
+                sealed: 0,
+                sink_k: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
+                sink_v: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
+                ring: zeroed_bytes(ring, "staging ring")?,
+                blocks: Vec::new(),
+            });
+        }
         Ok(Self {
-            layers: vec![layer; config.layers],
+            layers,
             config,
             pool,
             rows,
