@@ -13,6 +13,8 @@ pub mod cache;
 pub mod cuda;
 pub mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod ggml;
 pub mod gtq;
 pub mod hadamard;

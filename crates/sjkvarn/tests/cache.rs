@@ -553,7 +553,8 @@ fn block_gtq_layers_attend_over_their_decoded_records() {
 
 #[test]
 fn configurations_too_large_for_the_machine_are_errors_not_aborts() {
-    let mut config = CacheConfig::uniform(4096, 1024, 1024, 512, LayerCoding::scalar(4, 4), 1 << 24);
+    let mut config =
+        CacheConfig::uniform(4096, 1024, 1024, 512, LayerCoding::scalar(4, 4), 1 << 24);
     config.max_tail = 4_000_000;
     config.max_chunk = 65_536;
     let config = Arc::new(config);

@@ -21,10 +21,11 @@ use std::sync::Arc;
 /// `n` copies of `value`, or an out-of-memory error instead of an abort.
 fn zeroed<T: Clone>(n: usize, value: T, what: &'static str) -> CacheResult<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| CacheError::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(std::mem::size_of::<T>()),
-    })?;
+    v.try_reserve_exact(n)
+        .map_err(|_| CacheError::OutOfMemory {
+            what,
+            bytes: n.saturating_mul(std::mem::size_of::<T>()),
+        })?;
     v.resize(n, value);
     Ok(v)
 }
