@@ -152,6 +152,14 @@ class Config:
         return [(k, v, self.key_body(i) or kb, vb) for i, (k, v, kb, vb) in enumerate(rows)]
 
 
+def _layer(layer: Any) -> int:
+    """A layer index as the core takes it; negative indices do not exist."""
+    i = int(layer)
+    if i < 0:
+        raise IndexError(f"layer {i} does not exist (layers are numbered from 0)")
+    return i
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
@@ -224,9 +232,9 @@ class Cache:
         """Appends post-RoPE K and V, each ``[tokens, kv_heads, head_dim]``."""
         if self.is_cuda:
             k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
-            self._core.append(int(layer), k32, v32, self._stream())
+            self._core.append(_layer(layer), k32, v32, self._stream())
             return
-        self._core.append(int(layer), _exportable(k), _exportable(v))
+        self._core.append(_layer(layer), _exportable(k), _exportable(v))
 
     def attend(self, layer: int, q: Any, *, scale: float | None = None) -> Any:
         """Attention of the newest ``tokens`` positions' queries ``[tokens, q_heads, head_dim]``.
@@ -239,18 +247,18 @@ class Cache:
 
             q32 = self._cuda_f32(q, "q")
             out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
-            self._core.attend_into(int(layer), q32, out, scale, self._stream())
+            self._core.attend_into(_layer(layer), q32, out, scale, self._stream())
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         q = _exportable(q)
         if _is_torch(q):
             import torch
 
             out = torch.empty(tuple(q.shape), dtype=torch.float32)
-            self._core.attend_into(int(layer), q, out, scale)
+            self._core.attend_into(_layer(layer), q, out, scale)
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         shape = tuple(np.shape(q))
         out_np = np.empty(shape, dtype=np.float32)
-        self._core.attend_into(int(layer), q, out_np, scale)
+        self._core.attend_into(_layer(layer), q, out_np, scale)
         return out_np
 
     def truncate(self, n: int) -> int:
@@ -268,16 +276,16 @@ class Cache:
         return Cache(self.config, _core_cache=self._core.fork())
 
     def length(self, layer: int = 0) -> int:
-        return int(self._core.length(int(layer)))
+        return int(self._core.length(_layer(layer)))
 
     def regions(self, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Position ranges ``[start, end)`` of the sink, body and ring of ``layer``."""
-        sink, body, ring = self._core.regions(int(layer))
+        sink, body, ring = self._core.regions(_layer(layer))
         return {"sink": sink, "body": body, "ring": ring}
 
     def chunk_limit(self, layer: int = 0) -> int:
         """Tokens the next append can take with no seal inside it (chunked replay is exact)."""
-        return int(self._core.chunk_limit(int(layer)))
+        return int(self._core.chunk_limit(_layer(layer)))
 
     def memory(self) -> dict[str, float]:
         """Allocated bytes per region, token counts and occupied effective bits per value."""

@@ -298,6 +298,14 @@ impl Sequence {
         })
     }
 
+    /// Every pool slot this sequence's block tables reference, layer by layer.
+    pub fn slots(&self) -> Vec<SlotId> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.blocks.iter().copied())
+            .collect()
+    }
+
     /// Tokens held by `layer`.
     pub fn len(&self, layer: usize) -> CacheResult<usize> {
         Ok(self.layer(layer)?.len)
