@@ -218,7 +218,7 @@ fn main() {
     }
     let cfg = config();
     // A pool smaller than every sequence at full length: exhaustion happens and must be clean.
-    let pool = RecordPool::new(cfg.slot_bytes(), cfg.slots_per_sequence() * sequences / 3);
+    let pool = RecordPool::new(cfg.slot_bytes(), cfg.slots_per_sequence() * sequences / 8);
     let mut live: Vec<Option<Live>> = (0..sequences).map(|_| None).collect();
     let mut rng = SplitMix64::new(seed);
     let mut next_stream = 0u64;
@@ -267,12 +267,36 @@ fn main() {
                         *counts.entry("pool_exhausted").or_default() += 1;
                         live[slot] = None; // free its slots for the others
                     }
-                    Some((_, CacheError::PoolExhausted { .. })) => {
-                        // Layer 0 took the tokens, layer 1 could not: roll layer 0 back.
-                        let back = l.seq.truncate(len).unwrap();
-                        assert_eq!(back, len, "rolling back an append needs no reprocessing");
+                    Some((failed_layer, CacheError::PoolExhausted { .. })) => {
+                        // Earlier layers took the tokens, a later one could not: roll them back.
+                        // Truncation restores the state of a `len`-token sequence, which may
+                        // have fewer sealed groups than this one had (its seals ran early, in
+                        // chunks), so re-append what it asks for, as an engine would.
+                        assert_eq!(
+                            l.seq.len(failed_layer).unwrap(),
+                            len,
+                            "failed layer changed"
+                        );
+                        let from = l.seq.truncate(len).unwrap();
+                        let mut restored = true;
+                        for layer in 0..failed_layer {
+                            let have = l.seq.len(layer).unwrap();
+                            assert!(have >= from && have <= len);
+                            let (k, v) = content(l.stream, layer, have, len - have);
+                            if l.seq.append(layer, &k, &v).is_err() {
+                                restored = false;
+                                break;
+                            }
+                        }
                         *counts.entry("pool_exhausted").or_default() += 1;
-                        live[slot] = None;
+                        if restored {
+                            assert_eq!(l.seq.len(0).unwrap(), len);
+                            if from < len {
+                                *counts.entry("rollback_reprocessed").or_default() += 1;
+                            }
+                        } else {
+                            live[slot] = None;
+                        }
                     }
                     Some((_, e)) if n == 0 => {
                         let _ = e;
