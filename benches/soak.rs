@@ -9,9 +9,10 @@
 //!   whole groups, ring <= max_tail + max_chunk);
 //! - its fp16 sink equal to fp16(content), its newest ring rows within the 6-bit staging error of
 //!   the content, and sealed records that decode close to the content (no lost or misplaced data);
-//! - attention bit-identical to the same state restored from its snapshot;
-//! and the pool's used slots must equal the distinct slots referenced by live sequences, each
-//! with a reference count equal to the number of sequences holding it. Any violation panics.
+//! - attention bit-identical to the same state restored from its snapshot.
+//!
+//! The pool's used slots must equal the distinct slots referenced by live sequences, each with a
+//! reference count equal to the number of sequences holding it. Any violation panics.
 //! Reports tokens/s, operation counts, pool high-water mark and RSS (start, middle, end, peak).
 
 use sjkvarn::body::BodyCoding;

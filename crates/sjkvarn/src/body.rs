@@ -429,7 +429,17 @@ impl BodySpec {
     /// A single-half record's values and key metadata, with no key units (the caller decodes
     /// the key codes).
     pub(crate) fn decode_value_half(&self, record: &[u8]) -> Result<DecodedHalf> {
-        if record.len() != self.record_bytes() || self.halves() != 1 {
+        if self.halves() != 1 {
+            return Err(CodecError::InvalidSetting(
+                "value-only decoding needs a single-half record (head_dim <= 256)".into(),
+            ));
+        }
+        self.decode_sub_record(record, 0, false)
+    }
+
+    /// Half `half` of a record: metadata, values and (with `keys`) the key units.
+    fn decode_sub_record(&self, record: &[u8], half: usize, keys: bool) -> Result<DecodedHalf> {
+        if record.len() != self.record_bytes() || half >= self.halves() {
             return Err(CodecError::LengthMismatch {
                 what: "body record",
                 expected: self.record_bytes(),
@@ -437,11 +447,19 @@ impl BodySpec {
             });
         }
         let r = self.width();
-        let (_, rest) = record.split_at(self.k_code_bytes());
+        let sub = self.sub_record_bytes();
+        let rec = &record[half * sub..(half + 1) * sub];
+        let (k_codes, rest) = rec.split_at(self.k_code_bytes());
         let (v_codes, meta) = rest.split_at(self.v_code_bytes());
         let m = &meta[(2 * r + GROUP) * 2..];
+        let k_units = if keys {
+            let layout = TileLayout::of(self.k_coding, true);
+            decode_tile_units(k_codes, r, GROUP, self.k_bits, layout)?
+        } else {
+            Vec::new()
+        };
         Ok(DecodedHalf {
-            k_units: Vec::new(),
+            k_units,
             a_k: read_f32s(meta, r),
             z_k: read_f32s(&meta[2 * r..], r),
             s_k: read_f32s(&meta[4 * r..], GROUP),
@@ -573,41 +591,7 @@ impl BodySpec {
     /// `V[t, c] = (v_units[t*R + c] * a_v[t] + z_v[t]) * s_v[c]` (rotated frame, `c < R`).
     pub fn decode_half(&self, record: &[u8], half: usize) -> Result<DecodedHalf> {
         self.refuse_rope_blocks()?;
-        if record.len() != self.record_bytes() || half >= self.halves() {
-            return Err(CodecError::LengthMismatch {
-                what: "body record",
-                expected: self.record_bytes(),
-                got: record.len(),
-            });
-        }
-        let r = self.width();
-        let sub = self.sub_record_bytes();
-        let rec = &record[half * sub..(half + 1) * sub];
-        let (k_codes, rest) = rec.split_at(self.k_code_bytes());
-        let (v_codes, meta) = rest.split_at(self.v_code_bytes());
-        let m = &meta[(2 * r + GROUP) * 2..];
-        Ok(DecodedHalf {
-            k_units: decode_tile_units(
-                k_codes,
-                r,
-                GROUP,
-                self.k_bits,
-                TileLayout::of(self.k_coding, true),
-            )?,
-            a_k: read_f32s(meta, r),
-            z_k: read_f32s(&meta[2 * r..], r),
-            s_k: read_f32s(&meta[4 * r..], GROUP),
-            v_units: decode_tile_units(
-                v_codes,
-                GROUP,
-                r,
-                self.v_bits,
-                TileLayout::of(self.v_coding, false),
-            )?,
-            a_v: read_f32s(m, GROUP),
-            z_v: read_f32s(&m[2 * GROUP..], GROUP),
-            s_v: read_f32s(&m[4 * GROUP..], r),
-        })
+        self.decode_sub_record(record, half, true)
     }
 
     /// Encodes from K and V in the model's frame: rotates copies, then [`Self::encode_rotated`].
