@@ -168,3 +168,58 @@ def test_device_truncate_fork_and_snapshot_round_trip(tmp_path) -> None:  # type
     back = Cache.load(path, device="cuda")
     assert back.snapshot() == gpu.snapshot()
     assert Cache.load(path).snapshot() == cpu.snapshot()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_seal_failing_part_way_changes_nothing(device: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An append whose seals fail after 0..7 records, and a seal_idle failing in its second
+    layer, leave the cache byte-identical and the pool's slots as they were (the injected fault
+    is the core's; the device path has the same injection point)."""
+    from sjkvarn import _core
+
+    cfg = Config(
+        layers=2,
+        kv_heads=2,
+        q_heads=4,
+        head_dim=64,
+        k_bits=3,
+        v_bits=2,
+        min_tail=256,
+        max_tail=512,
+        max_chunk=128,
+        max_tokens=8192,
+        device=device,
+    )
+    cache = Cache(cfg)
+    gen = torch.Generator().manual_seed(11)
+
+    def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+        return k.to(device), v.to(device)
+
+    for layer in range(2):
+        cache.append(layer, *kv(600))
+    k, v = kv(700)  # several chunks of 128 against a 512-token tail: several seals
+    before = cache.snapshot()
+    used = cache.memory()["pool_used_slots"]
+    try:
+        for after in range(8):
+            _core._inject_seal_failure(after)
+            with pytest.raises(CacheError, match="injected"):
+                cache.append(0, k, v)
+            _core._inject_seal_failure(None)
+            assert cache.snapshot() == before, f"failure after {after} records changed it"
+            assert cache.memory()["pool_used_slots"] == used
+        _core._inject_seal_failure(2)  # layer 0's two records pass, layer 1's fail
+        with pytest.raises(CacheError, match="injected"):
+            cache.seal_idle()
+    finally:
+        _core._inject_seal_failure(None)
+    assert cache.snapshot() == before
+    assert cache.memory()["pool_used_slots"] == used
+    # Disarmed, the same append gives the bytes of a cache that never failed.
+    (tmp_path / "before.sjkv").write_bytes(before)
+    twin = Cache.load(tmp_path / "before.sjkv")
+    cache.append(0, k, v)
+    twin.append(0, k.cpu(), v.cpu())
+    assert cache.snapshot() == twin.snapshot()

@@ -350,6 +350,17 @@ fn gtq_roundtrip_keys<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
+/// Test hook: every seal record encode after the next `after` fails (`None` disarms). For the
+/// tests that check a failed seal leaves a cache as it was, on the CPU and on a GPU.
+#[pyfunction]
+#[pyo3(signature = (after))]
+fn _inject_seal_failure(after: Option<usize>) {
+    match after {
+        Some(n) => sjkvarn::cache::faults::fail_seals_after(n),
+        None => sjkvarn::cache::faults::clear(),
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CodecError", m.py().get_type::<CodecError>())?;
@@ -385,5 +396,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(gtq_allocate, m)?)?;
     m.add_function(wrap_pyfunction!(gtq_roundtrip_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     Ok(())
 }

@@ -400,22 +400,64 @@ impl DeviceSequence {
             return Err(kernel_error(code, "append"));
         }
 
-        // 2. Plan chunks and seals; reserve every slot up front.
+        // 2. Plan chunks and seals. Ring rows overwritten by one chunk may belong to groups a
+        //    seal of this append sealed, and a later seal can still fail (a kernel status,
+        //    device memory for its workspace); undoing the seals makes those rows live again, so
+        //    keep a copy of the ring when both can happen. Then reserve every slot up front.
         let plan = plan_append(&cfg, start, sealed0, n);
         let needed = plan.last().map_or(sealed0, |&(_, t)| t) - sealed0;
-        let mut slots = pool.slots.reserve(needed)?.into_iter();
+        let undo = LayerUndo::take(&self.layers[layer], s, plan.len() > 1 && needed > 0)?;
+        let mut slots = pool.slots.reserve(needed)?;
+        slots.reverse(); // taken from the back, in reservation order
 
-        // 3. Execute: seals, then ring and sink writes, chunk by chunk.
+        // 3. Execute: seals, then ring and sink writes, chunk by chunk; undone on any error.
+        let r = self.execute_append(
+            layer,
+            start,
+            &plan,
+            &mut slots,
+            &staged,
+            &sink_out,
+            sink_tokens,
+        );
+        // Slots the plan did not consume (all of them on error) go back to the pool.
+        pool.slots.release(&slots);
+        if let Err(e) = r {
+            undo.restore(&mut self.layers[layer], &pool)?;
+            return Err(e);
+        }
+        pool.before(ext)?;
+        Ok(())
+    }
+
+    /// Step 3 of [`append_raw`](Self::append_raw): runs the plan's seals (taking slots from the
+    /// back of `slots`) and copies staged rows into the ring and the sink.
+    #[allow(clippy::too_many_arguments)]
+    fn execute_append(
+        &mut self,
+        layer: usize,
+        start: usize,
+        plan: &[(usize, usize)],
+        slots: &mut Vec<SlotId>,
+        staged: &CudaSlice<u8>,
+        sink_out: &CudaSlice<u16>,
+        sink_tokens: usize,
+    ) -> CudaResult<()> {
+        let cfg = self.config.clone();
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let rb = self.rows.row_bytes();
+        let pool = self.pool.clone();
+        let s = &pool.stream;
         let per_tok = h * d;
         let ring_rows = cfg.ring_rows();
         let mut written = 0usize;
-        for (take, target) in plan {
+        for &(take, target) in plan {
             let from = self.layers[layer].sealed;
             if target > from {
-                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
+                let at = slots.len() - (target - from);
+                let ids: Vec<SlotId> = slots.split_off(at).into_iter().rev().collect();
                 if let Err(e) = self.seal_groups(layer, from, target, &ids) {
-                    pool.slots.release(&ids);
-                    pool.slots.release(&slots.collect::<Vec<_>>());
+                    slots.extend(ids.into_iter().rev());
                     return Err(e);
                 }
             }
@@ -452,7 +494,6 @@ impl DeviceSequence {
             l.len = hi;
             written += take;
         }
-        pool.before(ext)?;
         Ok(())
     }
 
@@ -489,10 +530,15 @@ impl DeviceSequence {
         to: usize,
         slots: &[SlotId],
     ) -> CudaResult<()> {
+        let count = to - from;
+        // The CPU's fault-injection point (one check per record), so the rollback of a seal
+        // that fails part-way through an append can be tested on a GPU too.
+        for _ in 0..count * self.config.kv_heads {
+            crate::cache::faults::check_record()?;
+        }
         let pool = self.pool.clone();
         let s = &pool.stream;
         let view = self.view(layer);
-        let count = to - from;
         let groups: Vec<u32> = (from as u32..to as u32).collect();
         let ids: Vec<u32> = slots.to_vec();
         let groups_dev = s.clone_htod(&groups)?;
@@ -527,9 +573,10 @@ impl DeviceSequence {
             return Err(kernel_error(code, "seal"));
         }
         let l = &mut self.layers[layer];
+        let at = l.blocks.len();
+        s.memcpy_htod(slots, &mut l.blocks_dev.slice_mut(at..at + slots.len()))?;
         l.blocks.extend_from_slice(slots);
         l.sealed = to;
-        upload_blocks(s, l)?;
         Ok(())
     }
 
@@ -542,11 +589,24 @@ impl DeviceSequence {
             .slots
             .reserve(plan.iter().map(|p| p.2 - p.1).sum())?
             .into_iter();
+        // A later layer failing undoes the earlier layers' seals (seals do not touch the ring).
+        let undo: Vec<(usize, LayerUndo)> = plan
+            .iter()
+            .map(|&(layer, _, _)| {
+                Ok((
+                    layer,
+                    LayerUndo::take(&self.layers[layer], &pool.stream, false)?,
+                ))
+            })
+            .collect::<CudaResult<_>>()?;
         for (layer, from, to) in plan {
             let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
             if let Err(e) = self.seal_groups(layer, from, to, &ids) {
                 pool.slots.release(&ids);
                 pool.slots.release(&slots.collect::<Vec<_>>());
+                for (layer, u) in undo {
+                    u.restore(&mut self.layers[layer], &pool)?;
+                }
                 return Err(e);
             }
         }
@@ -752,6 +812,43 @@ impl DeviceSequence {
         }
         s.synchronize()?;
         Ok(dev)
+    }
+}
+
+/// What a failed append or seal must put back in one layer: its lengths, its block list and,
+/// where the failed work may have overwritten live rows, a device copy of its ring.
+struct LayerUndo {
+    len: usize,
+    sealed: usize,
+    blocks: usize,
+    ring: Option<CudaSlice<u8>>,
+}
+
+impl LayerUndo {
+    fn take(l: &DeviceLayer, s: &Arc<CudaStream>, keep_ring: bool) -> CudaResult<Self> {
+        Ok(Self {
+            len: l.len,
+            sealed: l.sealed,
+            blocks: l.blocks.len(),
+            ring: if keep_ring {
+                Some(s.clone_dtod(&l.ring)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Puts the layer back and returns the slots sealed since [`take`](Self::take) to the
+    /// pool. The sink needs nothing: positions past the restored length are never read.
+    fn restore(self, l: &mut DeviceLayer, pool: &DevicePool) -> CudaResult<()> {
+        let added = l.blocks.split_off(self.blocks);
+        pool.slots.release(&added);
+        l.len = self.len;
+        l.sealed = self.sealed;
+        if let Some(ring) = self.ring {
+            pool.stream.memcpy_dtod(&ring, &mut l.ring)?;
+        }
+        Ok(())
     }
 }
 
