@@ -185,7 +185,7 @@ class Cache:
             if int(getattr(config, name)) < 1:
                 raise CacheError(f"{name} must be at least 1")
         kind, self._ordinal = _parse_device(config.device)
-        args = (
+        spec = _core.CacheSpec(
             config.layers,
             config.q_heads or config.kv_heads,
             config.kv_heads,
@@ -199,14 +199,13 @@ class Cache:
             config.mode,
             config.stat,
             config.staging,
-            config.pool_sequences,
             config.key_schedules,
         )
         if kind == "cuda":
             load_nvrtc()
-            self._core = _core.DeviceCache(self._ordinal, *args)
+            self._core = _core.DeviceCache(self._ordinal, spec, config.pool_sequences)
         else:
-            self._core = _core.Cache(*args)
+            self._core = _core.Cache(spec, config.pool_sequences)
 
     @property
     def is_cuda(self) -> bool:

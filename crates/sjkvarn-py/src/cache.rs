@@ -47,9 +47,53 @@ pub(crate) fn err(e: CoreError) -> PyErr {
     }
 }
 
+/// A validated cache configuration, built once from the Python-side arguments and handed to
+/// either backend (`Cache`, `DeviceCache`).
+#[pyclass(frozen, module = "sjkvarn._core")]
+pub struct CacheSpec {
+    pub(crate) config: CacheConfig,
+}
+
+#[pymethods]
+impl CacheSpec {
+    /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
+    #[new]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        layer_coding: Vec<(u32, u32, String, String)>,
+        min_tail: usize,
+        max_tail: usize,
+        max_chunk: usize,
+        max_tokens: usize,
+        passes: u32,
+        mode: &str,
+        stat: &str,
+        staging: &str,
+        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
+    ) -> PyResult<Self> {
+        let config = build_config(
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            layer_coding,
+            (min_tail, max_tail, max_chunk, max_tokens),
+            (passes, mode, stat),
+            staging,
+            key_schedules,
+        )?;
+        Ok(Self { config })
+    }
+}
+
 /// Builds and validates a configuration from the Python-side arguments.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn build_config(
+fn build_config(
     layers: usize,
     q_heads: usize,
     kv_heads: usize,
@@ -92,7 +136,7 @@ pub(crate) fn build_config(
             }
         },
     };
-    let config = CacheConfig {
+    let mut config = CacheConfig {
         layers,
         q_heads,
         kv_heads,
@@ -106,7 +150,6 @@ pub(crate) fn build_config(
         staging: Staging::from_name(staging).map_err(err)?,
         key_schedules: Vec::new(),
     };
-    let mut config = config;
     if let Some(layers) = key_schedules {
         config.key_schedules = layers
             .into_iter()
@@ -165,38 +208,11 @@ pub(crate) fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> P
 
 #[pymethods]
 impl Cache {
-    /// Builds a cache; `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
+    /// An empty cache on the CPU with a pool sized for `pool_sequences` full sequences.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1, key_schedules=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        layers: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        layer_coding: Vec<(u32, u32, String, String)>,
-        min_tail: usize,
-        max_tail: usize,
-        max_chunk: usize,
-        max_tokens: usize,
-        passes: u32,
-        mode: &str,
-        stat: &str,
-        staging: &str,
-        pool_sequences: usize,
-        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
-    ) -> PyResult<Self> {
-        let config = build_config(
-            layers,
-            q_heads,
-            kv_heads,
-            head_dim,
-            layer_coding,
-            (min_tail, max_tail, max_chunk, max_tokens),
-            (passes, mode, stat),
-            staging,
-            key_schedules,
-        )?;
+    #[pyo3(signature = (spec, pool_sequences=1))]
+    fn new(spec: &CacheSpec, pool_sequences: usize) -> PyResult<Self> {
+        let config = spec.config.clone();
         let pool = Sequence::pool_for(&config, pool_sequences);
         Ok(Self {
             seq: Sequence::new(Arc::new(config), pool).map_err(err)?,

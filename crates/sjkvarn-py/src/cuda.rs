@@ -1,7 +1,7 @@
 //! `sjkvarn._core.DeviceCache`: one sequence with its journal in CUDA memory, torch CUDA
 //! tensors by DLPack, work ordered against the caller's stream with events.
 
-use crate::cache::{build_config, check_3d, err, memory_dict, Cache, CacheError};
+use crate::cache::{check_3d, err, memory_dict, Cache, CacheError, CacheSpec};
 use crate::dlpack::cuda_f32;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
@@ -108,38 +108,11 @@ impl DeviceCache {
 
 #[pymethods]
 impl DeviceCache {
+    /// An empty cache on `cuda:ordinal` with a pool sized for `pool_sequences` full sequences.
     #[new]
-    #[pyo3(signature = (ordinal, layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, pool_sequences=1, key_schedules=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ordinal: usize,
-        layers: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        layer_coding: Vec<(u32, u32, String, String)>,
-        min_tail: usize,
-        max_tail: usize,
-        max_chunk: usize,
-        max_tokens: usize,
-        passes: u32,
-        mode: &str,
-        stat: &str,
-        staging: &str,
-        pool_sequences: usize,
-        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
-    ) -> PyResult<Self> {
-        let config = build_config(
-            layers,
-            q_heads,
-            kv_heads,
-            head_dim,
-            layer_coding,
-            (min_tail, max_tail, max_chunk, max_tokens),
-            (passes, mode, stat),
-            staging,
-            key_schedules,
-        )?;
+    #[pyo3(signature = (ordinal, spec, pool_sequences=1))]
+    fn new(ordinal: usize, spec: &CacheSpec, pool_sequences: usize) -> PyResult<Self> {
+        let config = spec.config.clone();
         let pool = DevicePool::for_config(ordinal, &config, pool_sequences).map_err(cuda_err)?;
         let seq = DeviceSequence::new(Arc::new(config), pool).map_err(cuda_err)?;
         Ok(Self { seq, ordinal })

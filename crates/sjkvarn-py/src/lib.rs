@@ -397,5 +397,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gtq_allocate, m)?)?;
     m.add_function(wrap_pyfunction!(gtq_roundtrip_keys, m)?)?;
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
+    m.add_class::<cache::CacheSpec>()?;
     Ok(())
 }
