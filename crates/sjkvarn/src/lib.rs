@@ -9,6 +9,7 @@ pub mod balance;
 pub mod bitpack;
 pub mod body;
 pub mod cache;
+pub mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;

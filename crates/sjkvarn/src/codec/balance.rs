@@ -1,0 +1,170 @@
+//! Log-domain variance balancing (Sinkhorn-Knopp on spreads) of one tile, as the reference
+//! defines it bit for bit.
+//!
+//! A tile is row-major `[R][C]`. Each of `iters` iterations divides every column by its sample
+//! spread, then every row, always recomputing the tile from the original values
+//! (`M / s_col / s_row`, two f32 divisions) so rounding does not accumulate. Spreads are clamped
+//! to `[1e-3, 1e3]` and the accumulated log scales to `[-0.3, 10]` (absolute clamps: the codec
+//! sees rotated activations of ordinary magnitude). The final scales are kept.
+//!
+//! Reductions follow a fixed contract so CPU and GPU sealers agree: a vector of `n` values
+//! (`n % 8 == 0`) is cut into 8 contiguous chunks, each summed in order in f64, and the chunk
+//! sums combined as `((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))`; the second moment uses a fused
+//! multiply-add.
+
+/// Lanes of the reduction contract.
+pub const LANES: usize = 8;
+
+/// `b < a ? b : a` and `a < b ? b : a`: the reference's min/max (first argument on ties).
+#[inline]
+pub(crate) fn min_f32(a: f32, b: f32) -> f32 {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+#[inline]
+pub(crate) fn max_f32(a: f32, b: f32) -> f32 {
+    if a < b {
+        b
+    } else {
+        a
+    }
+}
+#[inline]
+fn min_f64(a: f64, b: f64) -> f64 {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+#[inline]
+fn max_f64(a: f64, b: f64) -> f64 {
+    if a < b {
+        b
+    } else {
+        a
+    }
+}
+
+#[inline]
+fn reduce8(p: [f64; LANES]) -> f64 {
+    ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+}
+
+/// Sample standard deviation (`n - 1`) of `x[0], x[stride], ..., x[(n-1)*stride]`.
+pub fn sample_std(x: &[f32], n: usize, stride: usize) -> f32 {
+    let chunk = n / LANES;
+    let at = |l: usize, i: usize| x[(l * chunk + i) * stride] as f64;
+    let mut p = [0f64; LANES];
+    for (l, acc) in p.iter_mut().enumerate() {
+        for i in 0..chunk {
+            *acc += at(l, i);
+        }
+    }
+    let mean = reduce8(p) / n as f64;
+    let mut q = [0f64; LANES];
+    for (l, acc) in q.iter_mut().enumerate() {
+        for i in 0..chunk {
+            let d = at(l, i) - mean;
+            *acc = d.mul_add(d, *acc);
+        }
+    }
+    (reduce8(q) / n.max(2).saturating_sub(1) as f64).sqrt() as f32
+}
+
+/// Scratch and results of balancing one tile.
+#[derive(Debug, Clone, Default)]
+pub struct Balanced {
+    /// The balanced tile `M / s_col / s_row`, `[R][C]`.
+    pub tile: Vec<f32>,
+    pub s_row: Vec<f32>,
+    pub s_col: Vec<f32>,
+    log_row: Vec<f64>,
+    log_col: Vec<f64>,
+}
+
+impl Balanced {
+    fn recompute(&mut self, m: &[f32], c: usize) {
+        for (r, (out, src)) in self
+            .tile
+            .chunks_exact_mut(c)
+            .zip(m.chunks_exact(c))
+            .enumerate()
+        {
+            let sr = self.s_row[r];
+            for ((o, &x), &sc) in out.iter_mut().zip(src).zip(&self.s_col) {
+                *o = x / sc / sr;
+            }
+        }
+    }
+
+    /// Balances the row-major `[rows][cols]` tile `m` with `iters` column-then-row passes.
+    pub fn run(&mut self, m: &[f32], rows: usize, cols: usize, iters: u32) {
+        self.tile.clear();
+        self.tile.resize(rows * cols, 0.0);
+        self.s_row.clear();
+        self.s_row.resize(rows, 1.0);
+        self.s_col.clear();
+        self.s_col.resize(cols, 1.0);
+        self.log_row.clear();
+        self.log_row.resize(rows, 0.0);
+        self.log_col.clear();
+        self.log_col.resize(cols, 0.0);
+        self.recompute(m, cols);
+        let step = |log: &mut f64, sd: f32| -> f32 {
+            let sd = min_f32(max_f32(sd, 1e-3), 1e3);
+            *log = min_f64(max_f64(*log + (sd as f64).ln(), -0.3), 10.0);
+            log.exp() as f32
+        };
+        for _ in 0..iters {
+            for c in 0..cols {
+                let sd = sample_std(&self.tile[c..], rows, cols);
+                self.s_col[c] = step(&mut self.log_col[c], sd);
+            }
+            self.recompute(m, cols);
+            for r in 0..rows {
+                let sd = sample_std(&self.tile[r * cols..(r + 1) * cols], cols, 1);
+                self.s_row[r] = step(&mut self.log_row[r], sd);
+            }
+            self.recompute(m, cols);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_std_follows_the_lane_contract() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mean = x.iter().map(|&v| v as f64).sum::<f64>() / 64.0;
+        let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / 63.0;
+        assert!((sample_std(&x, 64, 1) as f64 - var.sqrt()).abs() < 1e-6);
+        let strided: Vec<f32> = x.iter().flat_map(|&v| [v, 99.0]).collect();
+        assert_eq!(sample_std(&strided, 64, 2), sample_std(&x, 64, 1));
+    }
+
+    #[test]
+    fn balancing_evens_out_spreads() {
+        let (r, c) = (64, 128);
+        let m: Vec<f32> = (0..r * c)
+            .map(|i| {
+                let (row, col) = (i / c, i % c);
+                ((i as f32 * 0.71).sin()) * (1.0 + (row % 7) as f32) * (1.0 + (col % 5) as f32)
+            })
+            .collect();
+        let mut b = Balanced::default();
+        b.run(&m, r, c, 16);
+        let spreads: Vec<f32> = (0..r)
+            .map(|row| sample_std(&b.tile[row * c..(row + 1) * c], c, 1))
+            .collect();
+        let (lo, hi) = spreads
+            .iter()
+            .fold((f32::MAX, 0f32), |(a, z), &s| (a.min(s), z.max(s)));
+        assert!(hi / lo < 1.5, "row spreads {lo}..{hi}");
+    }
+}

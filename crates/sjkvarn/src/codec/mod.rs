@@ -1,0 +1,27 @@
+//! The SJ-KVaRN format, byte for byte as the reference codec (`JakeATX/sj-kvarn-codec` v2.0)
+//! defines it.
+//!
+//! * [`fp16`]: the single rounding every stored scale goes through.
+//! * [`rotation`]: the whole-head orthonormal Hadamard transform.
+//! * [`layout`]: record fields, payload code order (fragment, token-major, channel-major).
+//! * [`balance`]: log-domain variance balancing with the fixed reduction contract.
+//! * [`trellis`]: the 64-state trellis code, its window and Viterbi search.
+//! * [`record`]: sealing a group into a record and decoding it.
+//! * [`tq6`]: the `tq6_0` staging blocks.
+//! * [`codebooks`]: the format's tables (data).
+//!
+//! All arithmetic that decides stored bytes is single-rounded IEEE (Rust never contracts
+//! `a * b + c` into an FMA unless asked), so the bytes match the reference on any x86-64 or
+//! AArch64 host.
+
+pub mod balance;
+pub mod codebooks;
+pub mod fp16;
+pub mod layout;
+pub mod record;
+pub mod rotation;
+pub mod tq6;
+pub mod trellis;
+
+pub use layout::{Body, RecordLayout, GROUP};
+pub use record::{Decoder, Sealer, ITERS};
