@@ -5,6 +5,10 @@
 //! `qh[i/4]`). Codes index the 64 Lloyd-Max centroids of N(0, 1/128) of the unit-norm block;
 //! the stored norm is `||x|| / ||c[codes]||`, so a decoded block has the input's norm up to the
 //! fp16 rounding of that norm. An all-zero block (norm <= 1e-10) codes every value as 32.
+//!
+//! sjkvarn extension, for 64-wide heads (which the reference does not stage): a 50-byte block of
+//! 64 values, `norm` + `qs[32]` + `qh[16]` in the same bit order, with the centroids and
+//! midpoints of N(0, 1/64), i.e. the tables above times `sqrt(2)` (one f32 multiply each).
 
 use super::codebooks::{TQ6_CENTROIDS, TQ6_MIDPOINTS};
 use super::fp16::{f16_to_f32, f32_to_f16};
@@ -14,14 +18,40 @@ pub const BLOCK_VALUES: usize = 128;
 /// Bytes per block.
 pub const BLOCK_BYTES: usize = 98;
 
+/// Values per block of the 64-wide extension.
+pub const BLOCK64_VALUES: usize = 64;
+/// Bytes per block of the 64-wide extension.
+pub const BLOCK64_BYTES: usize = 50;
+
+/// Centroids and midpoints for blocks of `n` values (128: the format's; 64: scaled by sqrt 2).
+struct Tables {
+    centroids: [f32; 64],
+    midpoints: [f32; 63],
+}
+
+fn tables(n: usize) -> &'static Tables {
+    static T128: Tables = Tables {
+        centroids: TQ6_CENTROIDS,
+        midpoints: TQ6_MIDPOINTS,
+    };
+    static T64: std::sync::OnceLock<Tables> = std::sync::OnceLock::new();
+    if n == BLOCK_VALUES {
+        return &T128;
+    }
+    T64.get_or_init(|| Tables {
+        centroids: TQ6_CENTROIDS.map(|c| c * std::f32::consts::SQRT_2),
+        midpoints: TQ6_MIDPOINTS.map(|m| m * std::f32::consts::SQRT_2),
+    })
+}
+
 /// Index of the centroid nearest to `v` (binary search over the midpoints; a value on a
 /// midpoint goes up).
 #[inline]
-fn nearest(v: f32) -> usize {
+fn nearest(midpoints: &[f32; 63], v: f32) -> usize {
     let (mut lo, mut hi) = (0usize, 63usize);
     while lo < hi {
         let m = (lo + hi) / 2;
-        if v < TQ6_MIDPOINTS[m] {
+        if v < midpoints[m] {
             hi = m;
         } else {
             lo = m + 1;
@@ -30,47 +60,83 @@ fn nearest(v: f32) -> usize {
     lo
 }
 
-/// Encodes one 128-value block.
-pub fn encode_block(x: &[f32], out: &mut [u8]) {
+/// Encodes one block of `n` = 128 (or 64, extension) values into `2 + 3n/4` bytes.
+fn encode_n(x: &[f32], n: usize, out: &mut [u8]) {
+    let t = tables(n);
     let mut norm_sq = 0f32;
-    for &v in &x[..BLOCK_VALUES] {
+    for &v in &x[..n] {
         norm_sq += v * v;
     }
     let norm = norm_sq.sqrt();
     let inv = if norm > 1e-10 { 1.0 / norm } else { 0.0 };
     let mut idx = [0u8; BLOCK_VALUES];
-    for (i, &v) in x[..BLOCK_VALUES].iter().enumerate() {
+    for (i, &v) in x[..n].iter().enumerate() {
         let u = if norm > 1e-10 { v * inv } else { 0.0 };
-        idx[i] = nearest(u) as u8;
+        idx[i] = nearest(&t.midpoints, u) as u8;
     }
     let mut rn_sq = 0f32;
-    for &i in &idx {
-        let c = TQ6_CENTROIDS[i as usize];
+    for &i in &idx[..n] {
+        let c = t.centroids[i as usize];
         rn_sq += c * c;
     }
     let rn = rn_sq.sqrt();
     let stored = if rn > 1e-10 { norm / rn } else { norm };
-    let out = &mut out[..BLOCK_BYTES];
+    let (qs, qh) = (2, 2 + n / 2);
+    let out = &mut out[..2 + 3 * n / 4];
     out.fill(0);
     out[..2].copy_from_slice(&f32_to_f16(stored).to_le_bytes());
-    for (i, &code) in idx.iter().enumerate() {
-        out[2 + i / 2] |= (code & 0xf) << ((i % 2) * 4);
-        out[66 + i / 4] |= ((code >> 4) & 0x3) << ((i % 4) * 2);
+    for (i, &code) in idx[..n].iter().enumerate() {
+        out[qs + i / 2] |= (code & 0xf) << ((i % 2) * 4);
+        out[qh + i / 4] |= ((code >> 4) & 0x3) << ((i % 4) * 2);
     }
 }
 
-/// Decodes one block: `centroid[code] * norm`.
-pub fn decode_block(block: &[u8], out: &mut [f32]) {
+/// Decodes one block of `n` values: `centroid[code] * norm`.
+fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
+    let t = tables(n);
     let norm = f16_to_f32(u16::from_le_bytes([block[0], block[1]]));
-    for (i, o) in out[..BLOCK_VALUES].iter_mut().enumerate() {
-        let lo = (block[2 + i / 2] >> ((i % 2) * 4)) & 0xf;
-        let hi = (block[66 + i / 4] >> ((i % 4) * 2)) & 0x3;
-        *o = TQ6_CENTROIDS[(lo | hi << 4) as usize] * norm;
+    let (qs, qh) = (2, 2 + n / 2);
+    for (i, o) in out[..n].iter_mut().enumerate() {
+        let lo = (block[qs + i / 2] >> ((i % 2) * 4)) & 0xf;
+        let hi = (block[qh + i / 4] >> ((i % 4) * 2)) & 0x3;
+        *o = t.centroids[(lo | hi << 4) as usize] * norm;
     }
 }
 
-/// Encodes a rotated row whose length is a multiple of 128.
+/// Encodes one 128-value block.
+pub fn encode_block(x: &[f32], out: &mut [u8]) {
+    encode_n(x, BLOCK_VALUES, out)
+}
+
+/// Decodes one 128-value block.
+pub fn decode_block(block: &[u8], out: &mut [f32]) {
+    decode_n(block, BLOCK_VALUES, out)
+}
+
+/// Encodes one 64-value block (extension for 64-wide heads).
+pub fn encode_block64(x: &[f32], out: &mut [u8]) {
+    encode_n(x, BLOCK64_VALUES, out)
+}
+
+/// Decodes one 64-value block (extension for 64-wide heads).
+pub fn decode_block64(block: &[u8], out: &mut [f32]) {
+    decode_n(block, BLOCK64_VALUES, out)
+}
+
+/// Bytes of one staged row of `d` values: whole 128-value blocks, or one 64-value block.
+pub fn row_bytes(d: usize) -> usize {
+    if d == BLOCK64_VALUES {
+        BLOCK64_BYTES
+    } else {
+        d / BLOCK_VALUES * BLOCK_BYTES
+    }
+}
+
+/// Encodes a rotated row whose length is a multiple of 128 (or exactly 64, extension).
 pub fn encode_row(x: &[f32], out: &mut [u8]) {
+    if x.len() == BLOCK64_VALUES {
+        return encode_block64(x, out);
+    }
     for (b, o) in x
         .chunks_exact(BLOCK_VALUES)
         .zip(out.chunks_exact_mut(BLOCK_BYTES))
@@ -79,8 +145,11 @@ pub fn encode_row(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Decodes a row of whole blocks.
+/// Decodes a row of whole blocks (or one 64-value block when `out` has 64 values).
 pub fn decode_row(bytes: &[u8], out: &mut [f32]) {
+    if out.len() == BLOCK64_VALUES {
+        return decode_block64(bytes, out);
+    }
     for (b, o) in bytes
         .chunks_exact(BLOCK_BYTES)
         .zip(out.chunks_exact_mut(BLOCK_VALUES))
@@ -98,7 +167,7 @@ mod tests {
         for i in -4000..4000 {
             let v = i as f32 * 1e-4;
             let lin = TQ6_MIDPOINTS.iter().filter(|&&m| v >= m).count();
-            assert_eq!(nearest(v), lin);
+            assert_eq!(nearest(&TQ6_MIDPOINTS, v), lin);
         }
     }
 
@@ -112,5 +181,18 @@ mod tests {
         assert!(y.iter().all(|&v| v == 0.0));
         assert!(out[2..66].iter().all(|&b| b == 0));
         assert!(out[66..].iter().all(|&b| b == 0b1010_1010));
+    }
+
+    #[test]
+    fn blocks_of_64_keep_the_norm() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 29 % 17) as f32 - 8.0) * 0.1).collect();
+        let mut out = [0u8; BLOCK64_BYTES];
+        encode_block64(&x, &mut out);
+        let mut y = [0f32; 64];
+        decode_block64(&out, &mut y);
+        let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>().sqrt();
+        assert!((n(&x) - n(&y)).abs() < 2e-3 * n(&x));
+        let err: f32 = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum();
+        assert!(err < 1e-3 * n(&x).powi(2), "relative error {}", err / n(&x).powi(2));
     }
 }
