@@ -19,6 +19,7 @@ pub mod fuzz;
 pub mod ggml;
 pub mod gtq;
 pub mod hadamard;
+pub mod journal;
 pub mod kernel_abi;
 pub mod lloyd_max;
 mod lloyd_max_tables;
