@@ -15,6 +15,7 @@
 //! AArch64 host.
 
 pub mod balance;
+pub mod body_codec;
 pub mod codebooks;
 pub mod fp16;
 pub mod layout;
@@ -23,5 +24,6 @@ pub mod rotation;
 pub mod tq6;
 pub mod trellis;
 
+pub use body_codec::{BodyCodec, RecordSealer};
 pub use layout::{Body, RecordLayout, GROUP};
 pub use record::{Decoder, Sealer, ITERS};

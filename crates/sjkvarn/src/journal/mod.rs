@@ -39,9 +39,11 @@
 //!
 //! [`policy`] holds these rules; [`state`] the versioned, checksummed stream of one sequence.
 
+pub mod plan;
 pub mod policy;
 pub mod state;
 
+pub use plan::{Chunk, LayerState, Rules};
 pub use policy::{group_floor, ring_capacity, ring_slot, Policy};
 pub use state::{
     check_identity, codebook_id, fnv1a64, peek, walk_payload, write_state, write_state_vec,
