@@ -103,7 +103,10 @@ impl KernelRecordLayout {
 impl KernelLayerView {
     /// The geometry part of a layer's view (every address left 0 for the caller to fill).
     pub fn describe(config: &CacheConfig, layer: usize, len: usize, sealed: usize) -> Self {
-        let spec = config.body_spec(layer);
+        let lc = config.layer_coding[layer];
+        let spec = crate::body::BodySpec::new(config.head_dim, lc.k_bits, lc.v_bits)
+            .and_then(|s| s.with_coding(lc.k_coding, lc.v_coding))
+            .expect("validated configuration");
         let rows = crate::cache::staging::RowCodec::new(config.staging, config.head_dim);
         Self {
             slot_bytes: config.slot_bytes() as u64,

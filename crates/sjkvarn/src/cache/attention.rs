@@ -2,10 +2,10 @@
 //! cache: one online softmax spans all three regions, the query heads of a KV head share every
 //! block they read, and body records are read in the absorbed-scale form.
 //!
-//! Frames: body records and `tq6_0`/`q8_0` ring rows are Hadamard-rotated, so they are scored
-//! with the rotated query `q' = H q` and their value sum is rotated back once at the end; the
-//! fp16 sink (and fp16 ring rows) are in the model's frame. Since `H` is orthonormal,
-//! `q . k = q' . k'` and both sums meet in one softmax.
+//! Frames: the sink, the body records and the ring rows are all Hadamard-rotated, as the
+//! reference stores them, so they are scored with the rotated query `q' = H q` and the value sum
+//! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`). Block-GTQ keys are
+//! scored in their schedule's frame; their values are in the Hadamard frame like the rest.
 //!
 //! Each query row is processed on its own, in a fixed block order (sink, groups, ring blocks
 //! aligned to 128 positions), and masked positions are skipped, not zeroed: a row's output does
@@ -16,8 +16,8 @@ use super::config::SINK;
 use super::sequence::Sequence;
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
+use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::error::check_finite;
-use crate::hadamard::rotate_rows;
 use rayon::prelude::*;
 
 /// Online-softmax state of one (query row, query head).
@@ -210,8 +210,8 @@ pub fn attend(
     rotate_rows(&mut q_rot, d)?;
     let gs = cfg.group_size();
     let base = lj.len - n;
-    let spec = cfg.body_spec(layer);
-    let r = spec.width();
+    let codec = cfg.body_codec(layer);
+    let r = codec.half_width();
 
     // One task per KV head; each returns [n][gs][d].
     let per_head: Vec<CacheResult<Vec<f32>>> = (0..kvh)
@@ -234,7 +234,7 @@ pub fn attend(
             let mut kblk = vec![0.0f32; GROUP * d];
             let mut vblk = vec![0.0f32; GROUP * d];
 
-            // Sink (model frame, fp16).
+            // Sink (rotated fp16).
             let sink_rows = lj.len.min(SINK);
             if sink_rows > 0 {
                 for t in 0..sink_rows {
@@ -250,15 +250,15 @@ pub fn attend(
                     sink_rows,
                     &kblk,
                     &vblk,
-                    false,
+                    true,
                     &mut logits,
                     &mut weights,
                 );
             }
 
             // Body records (rotated frame, absorbed scales).
-            let rb = spec.record_bytes();
-            let schedule = cfg.key_schedule(layer, h);
+            let rb = codec.record_bytes();
+            let schedule = codec.key_schedule(h);
             let q_keyed: Option<Vec<f32>> = schedule.map(|s| {
                 let mut out = vec![0.0f32; n * gs * d];
                 for i in 0..n {
@@ -273,12 +273,7 @@ pub fn attend(
                 let first = SINK + g * GROUP;
                 let bytes = seq.pool().get(slot);
                 let record = &bytes[h * rb..(h + 1) * rb];
-                let halves: Vec<_> = match schedule {
-                    Some(s) => vec![crate::gtq::decode_record(&spec, s, record)?],
-                    None => (0..spec.half_count())
-                        .map(|half| spec.decode_half(record, half))
-                        .collect::<crate::Result<_>>()?,
-                };
+                let halves = codec.halves(h, record)?;
                 for i in 0..n {
                     let visible = ctx.visible(i, first, GROUP);
                     for j in 0..gs {
@@ -314,7 +309,7 @@ pub fn attend(
             }
 
             // Ring, in blocks aligned to 128 positions.
-            let rotated = seq.rows.rotated();
+            let rotated = true;
             let mut first = lj.ring_start();
             while first < lj.len {
                 let rows = (lj.len - first).min(GROUP);

@@ -2,8 +2,10 @@
 
 use super::{CacheError, CacheResult};
 use crate::balance::BalanceConfig;
-use crate::body::{BodyCoding, BodySpec, GROUP};
+use crate::body::{BodyCoding, GROUP};
+use crate::codec::BodyCodec;
 use crate::gtq::KeySchedule;
+use crate::journal::Rules;
 
 /// Tokens kept in fp16 at the start of every sequence.
 pub const SINK: usize = 128;
@@ -31,14 +33,15 @@ impl LayerCoding {
     }
 }
 
-/// How staged (unsealed) ring rows are stored.
+/// How staged (unsealed) ring rows are stored. Every staging type holds rotated rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Staging {
-    /// Rotated, per-128 norm, 64 Lloyd-Max centroids: 6.125 bits/value (default).
+    /// The reference's `tq6_0`: per-128 norm, 64 Lloyd-Max centroids, 6.125 bits/value
+    /// (default; 64-wide heads use the 64-value extension block).
     Tq6,
-    /// llama.cpp q8_0 on rotated values: 8.5 bits/value.
+    /// llama.cpp q8_0 on rotated values, 8.5 bits/value (sjkvarn extension).
     Q8_0,
-    /// fp16 in the model's frame: exact for fp16 inputs.
+    /// Rotated fp16 (the reference's opt-in exact staging).
     F16,
 }
 
@@ -63,6 +66,16 @@ impl Staging {
     }
 }
 
+/// How the sink (the first 128 positions) is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkType {
+    /// Rotated fp16 (the reference default).
+    F16,
+    /// In the staging type (the reference's `SINK_INHERIT`); sjkvarn supports it with fp16
+    /// staging, where the bytes equal the fp16 sink's.
+    Inherit,
+}
+
 /// Everything a cache needs to know; validated by [`CacheConfig::validate`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheConfig {
@@ -72,16 +85,21 @@ pub struct CacheConfig {
     pub head_dim: usize,
     /// One entry per layer (tiered edge layers use different bits).
     pub layer_coding: Vec<LayerCoding>,
-    /// Unsealed tokens kept after a seal.
+    /// Unsealed tokens kept after a seal (the reference's `tail`, a multiple of 128).
     pub min_tail: usize,
-    /// Unsealed tokens that trigger a seal.
+    /// Unsealed span that triggers a seal (the reference's `tail_max`; 0 = fixed tail, which
+    /// seals down to `min_tail` at every ubatch).
     pub max_tail: usize,
-    /// Largest number of tokens written between seal checks.
+    /// Largest ubatch (the reference's `n_ubatch`): longer appends run as several ubatches, each
+    /// with its own seal decision.
     pub max_chunk: usize,
+    /// Groups a decode-sized ubatch may seal (0 = a commit runs at once).
+    pub flush_chunk: usize,
     /// Largest sequence length.
     pub max_tokens: usize,
     pub balance: BalanceConfig,
     pub staging: Staging,
+    pub sink_type: SinkType,
     /// Block-GTQ key schedules: for every layer whose keys use `BodyCoding::RopeBlocks`, one
     /// schedule per KV head; empty for every other layer (and entirely empty when no layer
     /// uses them).
@@ -108,9 +126,11 @@ impl CacheConfig {
             min_tail: 4096,
             max_tail: 8192,
             max_chunk: 512,
+            flush_chunk: 0,
             max_tokens,
             balance: BalanceConfig::default(),
             staging: Staging::Tq6,
+            sink_type: SinkType::F16,
             key_schedules: Vec::new(),
         }
     }
@@ -134,13 +154,27 @@ impl CacheConfig {
                 self.layers
             ));
         }
-        for (i, lc) in self.layer_coding.iter().enumerate() {
-            self.body_spec_for(lc)
-                .map_err(|e| CacheError::InvalidConfig(format!("layer {i}: {e}")))?;
-        }
-        if self.max_tail < self.min_tail + GROUP {
+        if !matches!(self.head_dim, 64 | 128 | 256 | 512) {
             return bad(format!(
-                "max_tail ({}) must be at least min_tail ({}) + {GROUP}",
+                "head_dim {} is not supported: expected 64, 128, 256 or 512",
+                self.head_dim
+            ));
+        }
+        if self.sink_type == SinkType::Inherit && self.staging != Staging::F16 {
+            return bad(format!(
+                "an inherited sink is supported with f16 staging only (staging is {})",
+                self.staging.name()
+            ));
+        }
+        if self.min_tail % GROUP != 0 {
+            return bad(format!(
+                "min_tail ({}) must be a multiple of {GROUP}",
+                self.min_tail
+            ));
+        }
+        if self.max_tail != 0 && (self.max_tail < self.min_tail || self.max_tail % 128 != 0) {
+            return bad(format!(
+                "max_tail ({}) must be 0 (fixed tail) or a multiple of 128 of at least min_tail ({})",
                 self.max_tail, self.min_tail
             ));
         }
@@ -156,6 +190,7 @@ impl CacheConfig {
             ("max_tokens", self.max_tokens, MAX_TOKENS),
             ("max_tail", self.max_tail, 1 << 22),
             ("max_chunk", self.max_chunk, 1 << 16),
+            ("flush_chunk", self.flush_chunk, 1 << 16),
         ];
         for (name, value, limit) in limits {
             if value > limit {
@@ -167,7 +202,12 @@ impl CacheConfig {
         self.balance
             .validate()
             .map_err(|e| CacheError::InvalidConfig(e.to_string()))?;
-        self.validate_key_schedules()
+        self.validate_key_schedules()?;
+        for i in 0..self.layers {
+            self.body_codec_checked(i)
+                .map_err(|e| CacheError::InvalidConfig(format!("layer {i}: {e}")))?;
+        }
+        Ok(())
     }
 
     fn validate_key_schedules(&self) -> CacheResult<()> {
@@ -231,14 +271,47 @@ impl CacheConfig {
         self.key_schedules.get(layer).and_then(|l| l.get(head))
     }
 
-    fn body_spec_for(&self, lc: &LayerCoding) -> crate::Result<BodySpec> {
-        BodySpec::new(self.head_dim, lc.k_bits, lc.v_bits)?.with_coding(lc.k_coding, lc.v_coding)
+    fn body_codec_checked(&self, layer: usize) -> crate::Result<BodyCodec> {
+        let lc = &self.layer_coding[layer];
+        let schedules = self.key_schedules.get(layer).map_or(&[][..], |v| &v[..]);
+        BodyCodec::for_layer(
+            self.head_dim,
+            lc.k_bits,
+            lc.v_bits,
+            lc.k_coding,
+            lc.v_coding,
+            self.balance,
+            schedules,
+        )
     }
 
-    /// The body record geometry of `layer` (call after `validate`).
-    pub fn body_spec(&self, layer: usize) -> BodySpec {
-        self.body_spec_for(&self.layer_coding[layer])
+    /// The record codec of `layer` (call after `validate`).
+    pub fn body_codec(&self, layer: usize) -> BodyCodec {
+        self.body_codec_checked(layer)
             .expect("validated configuration")
+    }
+
+    /// The journal rules of this configuration (shared by every backend).
+    pub fn rules(&self) -> Rules {
+        Rules {
+            sink: SINK,
+            group: GROUP,
+            tail: self.min_tail,
+            tail_max: self.max_tail,
+            flush_chunk: self.flush_chunk,
+            ubatch: self.max_chunk,
+            max_tokens: self.max_tokens,
+        }
+    }
+
+    /// Whether every layer writes reference SJ-KVaRN records with reference staging, so the
+    /// cache's state is a plain `SJKVSEQ` stream the reference codec can load.
+    pub fn is_reference(&self) -> bool {
+        let uniform = self.layer_coding.windows(2).all(|w| w[0] == w[1]);
+        uniform
+            && self.head_dim % 128 == 0
+            && self.staging != Staging::Q8_0
+            && (0..self.layers).all(|l| self.body_codec(l).is_reference())
     }
 
     /// Query heads per KV head.
@@ -246,17 +319,15 @@ impl CacheConfig {
         self.q_heads / self.kv_heads
     }
 
-    /// Ring rows allocated per layer: `max_tail + G + 2 * max_chunk`, capped by what a sequence
-    /// of `max_tokens` can ever stage.
+    /// Ring rows allocated per layer (see [`Rules::ring_rows`]).
     pub fn ring_rows(&self) -> usize {
-        (self.max_tail + GROUP + 2 * self.max_chunk)
-            .min(self.max_tokens.saturating_sub(SINK).max(1))
+        self.rules().ring_rows()
     }
 
     /// Bytes of one pool slot: all KV heads' records of one layer and group (largest layer).
     pub fn slot_bytes(&self) -> usize {
         (0..self.layers)
-            .map(|l| self.kv_heads * self.body_spec(l).record_bytes())
+            .map(|l| self.kv_heads * self.body_codec(l).record_bytes())
             .max()
             .unwrap_or(0)
     }

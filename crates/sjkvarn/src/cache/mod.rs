@@ -17,7 +17,7 @@ pub mod sequence;
 pub mod snapshot;
 pub mod staging;
 
-pub use config::{CacheConfig, LayerCoding, Staging, SINK};
+pub use config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
 pub use pool::RecordPool;
 pub use sequence::{LayerImage, MemoryReport, Sequence};
 
@@ -61,6 +61,10 @@ pub enum CacheError {
 
     #[error("snapshot refused: {0}")]
     Snapshot(String),
+
+    /// An `SJKVSEQ` state stream was refused (the reference's status codes, one per reason).
+    #[error("state refused: {0}")]
+    State(#[from] crate::journal::StateError),
 
     #[error("snapshot i/o: {0}")]
     Io(String),

@@ -1,19 +1,23 @@
-//! One sequence's journal: per layer a fp16 sink, a staging ring and a block table of sealed
-//! records in the shared pool.
+//! One sequence's journal: per layer a rotated fp16 sink, a staging ring and a block table of
+//! sealed records in the shared pool.
 //!
 //! Positions `0..128` are the sink. Group `g` covers `[128 + 128g, 256 + 128g)`. Unsealed tokens
-//! after the sink live in the ring. Before an append would take the unsealed span past
-//! `max_tail`, every complete group older than the newest `min_tail` tokens is sealed in one
-//! batch; long appends are split so this check runs between chunks. Every call validates and
-//! reserves what it needs before it changes anything, so a failed call leaves the cache as it was.
+//! after the sink live in the ring. Every decision about sealing and truncation comes from the
+//! journal rules ([`crate::journal::Rules`]): an append of `n` tokens runs as ubatches of at most
+//! `max_chunk`, and at the start of each, once the unsealed span has reached `max_tail`, every
+//! complete group older than the newest `min_tail` tokens is sealed in one batch. Every call
+//! validates and reserves what it needs before it changes anything, so a failed call leaves the
+//! cache as it was.
 
 use super::config::{CacheConfig, SINK};
 use super::pool::{RecordPool, SlotId};
 use super::staging::RowCodec;
 use super::{CacheError, CacheResult};
 use crate::body::GROUP;
+use crate::codec::fp16::f32_to_f16;
+use crate::codec::rotation::rotate_heads;
 use crate::error::check_finite;
-use crate::hadamard::rotate_rows;
+use crate::journal::LayerState;
 use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -62,7 +66,11 @@ pub(crate) struct LayerJournal {
     pub(crate) len: usize,
     /// Sealed groups (each is one slot in `blocks`).
     pub(crate) sealed: usize,
-    /// `[SINK][kv_heads][D]`, model frame.
+    /// Sealed groups before the last journal step, and whether a chunked flush is unfinished
+    /// (journal state the `SJKVSEQ` stream carries).
+    pub(crate) sealed_prev: usize,
+    pub(crate) draining: bool,
+    /// `[SINK][kv_heads][D]`, rotated frame.
     pub(crate) sink_k: Vec<f16>,
     pub(crate) sink_v: Vec<f16>,
     /// `[ring_rows][kv_heads][K, V][row_bytes]`.
@@ -74,6 +82,23 @@ impl LayerJournal {
     /// First position held by the ring.
     pub(crate) fn ring_start(&self) -> usize {
         SINK + GROUP * self.sealed
+    }
+
+    pub(crate) fn state(&self) -> LayerState {
+        LayerState {
+            len: self.len,
+            sealed: self.sealed,
+            sealed_prev: self.sealed_prev,
+            draining: self.draining,
+        }
+    }
+
+    /// Takes over `st`'s counters (the block table is the caller's business).
+    pub(crate) fn set_state(&mut self, st: LayerState) {
+        self.len = st.len;
+        self.sealed = st.sealed;
+        self.sealed_prev = st.sealed_prev;
+        self.draining = st.draining;
     }
 }
 
@@ -101,7 +126,9 @@ pub struct MemoryReport {
 pub struct LayerImage {
     pub len: usize,
     pub sealed: usize,
-    /// `[SINK][kv_heads][head_dim]` fp16 bits, model frame.
+    pub sealed_prev: usize,
+    pub draining: bool,
+    /// `[SINK][kv_heads][head_dim]` fp16 bits, rotated frame.
     pub sink_k: Vec<u16>,
     pub sink_v: Vec<u16>,
     /// `[ring_rows][kv_heads][K, V][row_bytes]`.
@@ -127,53 +154,6 @@ impl Drop for Sequence {
     }
 }
 
-/// Sealed groups the journal rule gives a sequence of `len` tokens appended from empty: seals
-/// run when the unsealed span is `max_tail` and one more token arrives. The journal state is a
-/// function of the token history alone, which is what makes truncation exact.
-pub fn sealed_groups_at(config: &CacheConfig, len: usize) -> usize {
-    let mut sealed = 0usize;
-    loop {
-        let trigger = SINK + GROUP * sealed + config.max_tail;
-        if trigger >= len {
-            return sealed;
-        }
-        sealed = sealed.max((trigger - config.min_tail - SINK) / GROUP);
-    }
-}
-
-/// The group index a seal at length `len` seals up to (exclusive).
-pub fn seal_target(config: &CacheConfig, len: usize, sealed: usize) -> usize {
-    sealed.max(len.saturating_sub(config.min_tail + SINK) / GROUP)
-}
-
-/// The chunks an append of `n` tokens at length `start` runs as: `(tokens, seal target before
-/// the chunk)`. A seal runs before any chunk that would take the unsealed span past
-/// `max_tail`; chunks are at most `max_chunk` long. Shared by every backend.
-pub fn plan_append(
-    config: &CacheConfig,
-    start: usize,
-    sealed: usize,
-    n: usize,
-) -> Vec<(usize, usize)> {
-    let mut plan = Vec::new();
-    let (mut len, mut sealed) = (start, sealed);
-    while len < start + n {
-        let unsealed = len.saturating_sub(SINK + GROUP * sealed);
-        let sink_room = SINK.saturating_sub(len);
-        let mut take = (start + n - len).min(config.max_chunk);
-        let mut target = sealed;
-        if take > sink_room && unsealed + (take - sink_room) > config.max_tail {
-            target = seal_target(config, len, sealed);
-            let after = len.saturating_sub(SINK + GROUP * target);
-            take = take.min(config.max_tail - after + sink_room).max(1);
-        }
-        plan.push((take, target));
-        sealed = target;
-        len += take;
-    }
-    plan
-}
-
 /// Positions `(sink, body, ring)` of a layer with `len` tokens and `sealed` groups.
 pub fn regions_at(len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
     let sink_end = len.min(SINK);
@@ -183,55 +163,6 @@ pub fn regions_at(len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
         SINK + GROUP * sealed
     };
     [0..sink_end, sink_end..body_end, body_end..len]
-}
-
-/// Tokens the next append to a layer at `(len, sealed)` can take with no seal inside it.
-pub fn chunk_limit_at(config: &CacheConfig, len: usize, sealed: usize) -> usize {
-    let unsealed_now = len.saturating_sub(SINK + GROUP * sealed);
-    let sealed = if unsealed_now + 1 > config.max_tail {
-        seal_target(config, len, sealed)
-    } else {
-        sealed
-    };
-    let unsealed = len.saturating_sub(SINK + GROUP * sealed);
-    let sink_room = SINK.saturating_sub(len);
-    (config.max_tail - unsealed + sink_room)
-        .min(config.max_chunk)
-        .min(config.max_tokens - len)
-}
-
-/// The seals `seal_idle` runs: `(layer, from, to)` for every layer whose unsealed span exceeds
-/// `min_tail` by at least one group, given each layer's `(len, sealed)`.
-pub fn seal_idle_plan(
-    config: &CacheConfig,
-    layers: &[(usize, usize)],
-) -> Vec<(usize, usize, usize)> {
-    layers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, &(len, sealed))| {
-            let to = seal_target(config, len, sealed);
-            (to > sealed).then_some((i, sealed, to))
-        })
-        .collect()
-}
-
-/// `(len, sealed)` of a layer holding `len` tokens with `sealed` groups after `truncate(n)`.
-pub fn truncated_state(
-    config: &CacheConfig,
-    len: usize,
-    sealed: usize,
-    n: usize,
-) -> (usize, usize) {
-    if n >= len {
-        return (len, sealed);
-    }
-    let keep = sealed_groups_at(config, n);
-    if keep < sealed {
-        (n.min(SINK + GROUP * keep), keep)
-    } else {
-        (n, sealed)
-    }
 }
 
 impl Sequence {
@@ -261,6 +192,8 @@ impl Sequence {
             layers.push(LayerJournal {
                 len: 0,
                 sealed: 0,
+                sealed_prev: 0,
+                draining: false,
                 sink_k: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
                 sink_v: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
                 ring: zeroed_bytes(ring, "staging ring")?,
@@ -322,12 +255,11 @@ impl Sequence {
         Ok(regions_at(l.len, l.sealed))
     }
 
-    /// How many tokens the next append to `layer` can take with no seal inside it (a seal may
-    /// still run at its start). Chunks of at most this size replay exactly like token-by-token
-    /// decoding.
+    /// How many tokens the next append to `layer` runs as one ubatch (a seal can only run at
+    /// its start).
     pub fn chunk_limit(&self, layer: usize) -> CacheResult<usize> {
         let l = self.layer(layer)?;
-        Ok(chunk_limit_at(&self.config, l.len, l.sealed))
+        Ok(self.config.rules().chunk_limit(&l.state()))
     }
 
     fn ring_index(&self, pos: usize) -> usize {
@@ -357,6 +289,18 @@ impl Sequence {
     /// Appends `n` tokens of post-RoPE K and V (`[n][kv_heads][head_dim]`, model frame) to
     /// `layer`, sealing as the journal rule says. On error nothing changes.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> CacheResult<()> {
+        self.append_frame(layer, k, v, false)
+    }
+
+    /// [`Sequence::append`] for rows already in the Hadamard frame (`rotated = true`), as the
+    /// reference's `store` takes them.
+    pub fn append_frame(
+        &mut self,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        rotated: bool,
+    ) -> CacheResult<()> {
         let cfg = self.config.clone();
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let per_tok = h * d;
@@ -380,7 +324,7 @@ impl Sequence {
         check_finite(v)?;
         let start = l.len;
 
-        // 1. Stage every row first (the only codec step that can reject the input).
+        // 1. Rotate and stage every row first (the only codec step that can reject the input).
         let rb = self.rows.row_bytes();
         let mut sink_k = Vec::new();
         let mut sink_v = Vec::new();
@@ -391,10 +335,13 @@ impl Sequence {
             let pos = start + t;
             for head in 0..h {
                 for (value, src) in [(false, k), (true, v)] {
-                    let x = &src[(t * h + head) * d..(t * h + head + 1) * d];
+                    rot.copy_from_slice(&src[(t * h + head) * d..(t * h + head + 1) * d]);
+                    if !rotated {
+                        rotate_heads(&mut rot, d)?;
+                    }
                     if pos < SINK {
                         let dst = if value { &mut sink_v } else { &mut sink_k };
-                        for &xv in x {
+                        for &xv in &rot {
                             let hv = f16::from_f32(xv);
                             if !hv.is_finite() {
                                 return Err(crate::CodecError::ScaleOverflow {
@@ -406,10 +353,6 @@ impl Sequence {
                             dst.push(hv);
                         }
                     } else {
-                        rot.copy_from_slice(x);
-                        if self.rows.rotated() {
-                            rotate_rows(&mut rot, d)?;
-                        }
                         let row = ((pos - SINK.max(start)) * h + head) * 2 + value as usize;
                         self.rows
                             .encode(&rot, &mut staged[row * rb..(row + 1) * rb])?;
@@ -418,9 +361,9 @@ impl Sequence {
             }
         }
 
-        // 2. Plan the chunks and seals; reserve every slot they need up front.
-        let plan = plan_append(&cfg, start, l.sealed, n);
-        let sealed = plan.last().map_or(l.sealed, |&(_, target)| target);
+        // 2. Plan the ubatches and seals; reserve every slot they need up front.
+        let plan = cfg.rules().plan_append(l.state(), n);
+        let sealed = plan.last().map_or(l.sealed, |c| c.state.sealed);
         let needed = sealed - l.sealed;
         let mut slots = self.pool.reserve(needed)?.into_iter();
 
@@ -428,30 +371,31 @@ impl Sequence {
         //    of this append (staged above, not yet in the ring), read from `staged`.
         let mut sealed_records = Vec::with_capacity(plan.len());
         let mut from = l.sealed;
-        for &(_, target) in &plan {
+        for c in &plan {
             let staged_rows = Some(StagedRows {
                 bytes: &staged,
                 first: SINK.max(start),
             });
-            match self.encode_groups(layer, from, target, staged_rows) {
+            match self.encode_groups(layer, from, c.state.sealed, staged_rows) {
                 Ok(records) => sealed_records.push(records),
                 Err(e) => {
                     self.pool.release(&slots.collect::<Vec<_>>());
                     return Err(e);
                 }
             }
-            from = target;
+            from = c.state.sealed;
         }
 
-        // 4. Commit, chunk by chunk: seals then ring writes. Nothing below can fail.
+        // 4. Commit, ubatch by ubatch: seals then ring writes. Nothing below can fail.
         let mut written = 0usize;
-        for ((take, target), records) in plan.into_iter().zip(sealed_records) {
+        for (c, records) in plan.into_iter().zip(sealed_records) {
             let from = self.layers[layer].sealed;
-            if target > from {
-                let ids: Vec<SlotId> = slots.by_ref().take(target - from).collect();
-                self.commit_groups(layer, target, records, &ids);
+            if c.state.sealed > from {
+                let ids: Vec<SlotId> = slots.by_ref().take(c.state.sealed - from).collect();
+                self.commit_groups(layer, c.state.sealed, records, &ids);
             }
-            for t in written..written + take {
+            self.layers[layer].set_state(c.state);
+            for t in written..written + c.take {
                 let pos = start + t;
                 let lj = &mut self.layers[layer];
                 if pos < SINK {
@@ -472,7 +416,7 @@ impl Sequence {
                 }
                 self.layers[layer].len = pos + 1;
             }
-            written += take;
+            written += c.take;
         }
         Ok(())
     }
@@ -488,9 +432,9 @@ impl Sequence {
         staged: Option<StagedRows<'_>>,
     ) -> CacheResult<Vec<Vec<u8>>> {
         let cfg = &self.config;
-        let spec = cfg.body_spec(layer);
+        let codec = cfg.body_codec(layer);
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let rb = spec.record_bytes();
+        let rb = codec.record_bytes();
         let row_bytes = self.rows.row_bytes();
         let lj = &self.layers[layer];
         let records: Vec<CacheResult<Vec<u8>>> = (from..to)
@@ -498,6 +442,8 @@ impl Sequence {
             .map(|g| {
                 let mut slot = vec![0u8; h * rb];
                 let (mut kt, mut vt) = (vec![0.0f32; GROUP * d], vec![0.0f32; GROUP * d]);
+                let (mut k16, mut v16) = (vec![0u16; GROUP * d], vec![0u16; GROUP * d]);
+                let mut sealer = codec.sealer();
                 for head in 0..h {
                     super::faults::check_record()?;
                     for t in 0..GROUP {
@@ -514,17 +460,14 @@ impl Sequence {
                             }
                         }
                     }
-                    if !self.rows.rotated() {
-                        rotate_rows(&mut kt, d)?;
-                        rotate_rows(&mut vt, d)?;
+                    // The seal input is the staged row as attention sees it, rounded to fp16.
+                    for (dst, src) in [(&mut k16, &kt), (&mut v16, &vt)] {
+                        for (o, &x) in dst.iter_mut().zip(src.iter()) {
+                            *o = f32_to_f16(x);
+                        }
                     }
                     let out = &mut slot[head * rb..(head + 1) * rb];
-                    match cfg.key_schedule(layer, head) {
-                        Some(s) => {
-                            crate::gtq::encode_record(&spec, s, &kt, &vt, &cfg.balance, out)?
-                        }
-                        None => spec.encode_rotated(&kt, &vt, &cfg.balance, out)?,
-                    }
+                    sealer.seal(head, &k16, &v16, out)?;
                 }
                 Ok(slot)
             })
@@ -542,15 +485,23 @@ impl Sequence {
         lj.sealed = to;
     }
 
-    /// Seals every layer back to `min_tail` unsealed tokens (between requests). Every record is
-    /// encoded before any layer changes, so a failure leaves the sequence as it was.
-    pub fn seal_idle(&mut self) -> CacheResult<()> {
-        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
-        let plan = seal_idle_plan(&self.config, &lens);
-        let slots = self.pool.reserve(plan.iter().map(|p| p.2 - p.1).sum())?;
+    /// The idle step: seals every layer back to `min_tail` unsealed tokens (between requests)
+    /// but never the last `max(keep_recent, min_tail)` positions. Every record is encoded before
+    /// any layer changes, so a failure leaves the sequence as it was.
+    pub fn seal_idle(&mut self, keep_recent: usize) -> CacheResult<()> {
+        let rules = self.config.rules();
+        let plan: Vec<(usize, LayerState, LayerState)> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (i, l.state(), rules.idle(l.state(), keep_recent)))
+            .collect();
+        let slots = self
+            .pool
+            .reserve(plan.iter().map(|(_, a, b)| b.sealed - a.sealed).sum())?;
         let mut encoded = Vec::with_capacity(plan.len());
         for &(layer, from, to) in &plan {
-            match self.encode_groups(layer, from, to, None) {
+            match self.encode_groups(layer, from.sealed, to.sealed, None) {
                 Ok(records) => encoded.push(records),
                 Err(e) => {
                     self.pool.release(&slots);
@@ -560,33 +511,31 @@ impl Sequence {
         }
         let mut slots = slots.into_iter();
         for ((layer, from, to), records) in plan.into_iter().zip(encoded) {
-            let ids: Vec<SlotId> = slots.by_ref().take(to - from).collect();
-            self.commit_groups(layer, to, records, &ids);
+            let ids: Vec<SlotId> = slots.by_ref().take(to.sealed - from.sealed).collect();
+            if to.sealed > from.sealed {
+                self.commit_groups(layer, to.sealed, records, &ids);
+            }
+            self.layers[layer].set_state(to);
         }
         Ok(())
     }
 
-    /// Keeps the first `n` tokens of every layer and returns `reprocess_from`: the position
-    /// from which the caller must append K/V again (`n` when nothing sealed had to go).
-    ///
-    /// The result is exactly the state a sequence of `n` tokens has, so re-appending gives the
-    /// same bytes as never having appended the removed tokens. It is free when no seal ran after
-    /// position `n` (rejected speculative tokens in the ring); otherwise the groups the seal
-    /// rule would not yet have sealed are dropped and `reprocess_from` is the first one's start.
+    /// Keeps the first `n` tokens of every layer and returns the position from which the caller
+    /// must append K/V again: `n` for a cut in the ring or the sink (free and exact), the group
+    /// floor `128 + 128 * floor((n - 128) / 128)` for a cut in the body (at most 127 tokens to
+    /// re-run; the sealed groups from there on are dropped, the kept ones are untouched), and
+    /// the length when `n` is at or past it.
     pub fn truncate(&mut self, n: usize) -> CacheResult<usize> {
-        let mut reprocess = n;
+        let rules = self.config.rules();
+        let mut reprocess = usize::MAX;
         for l in self.layers.iter_mut() {
-            if n >= l.len {
-                continue;
-            }
-            let (len, sealed) = truncated_state(&self.config, l.len, l.sealed, n);
-            if sealed < l.sealed {
-                let dropped: Vec<SlotId> = l.blocks.split_off(sealed);
+            let (st, resume) = rules.truncate(l.state(), n);
+            if st.sealed < l.sealed {
+                let dropped: Vec<SlotId> = l.blocks.split_off(st.sealed);
                 self.pool.release(&dropped);
-                l.sealed = sealed;
             }
-            l.len = len;
-            reprocess = reprocess.min(l.len);
+            l.set_state(st);
+            reprocess = reprocess.min(resume);
         }
         Ok(reprocess)
     }
@@ -617,6 +566,8 @@ impl Sequence {
         Ok(LayerImage {
             len: l.len,
             sealed: l.sealed,
+            sealed_prev: l.sealed_prev,
+            draining: l.draining,
             sink_k: l.sink_k.iter().map(|h| h.to_bits()).collect(),
             sink_v: l.sink_v.iter().map(|h| h.to_bits()).collect(),
             ring: l.ring.clone(),
@@ -646,6 +597,7 @@ impl Sequence {
             let body_end = SINK + GROUP * img.sealed;
             let bad = img.len > config.max_tokens
                 || (img.sealed > 0 && body_end > img.len)
+                || img.sealed_prev > img.sealed
                 || img.len.saturating_sub(body_end.max(SINK)) > config.ring_rows()
                 || img.sink_k.len() != l.sink_k.len()
                 || img.sink_v.len() != l.sink_v.len()
@@ -661,10 +613,12 @@ impl Sequence {
         let total: usize = images.iter().map(|img| img.sealed).sum();
         let mut slots = seq.pool.reserve(total)?.into_iter();
         for (i, img) in images.iter().enumerate() {
-            let rb = config.kv_heads * config.body_spec(i).record_bytes();
+            let rb = config.kv_heads * config.body_codec(i).record_bytes();
             let l = &mut seq.layers[i];
             l.len = img.len;
             l.sealed = img.sealed;
+            l.sealed_prev = img.sealed_prev;
+            l.draining = img.draining;
             l.sink_k = img.sink_k.iter().map(|&b| f16::from_bits(b)).collect();
             l.sink_v = img.sink_v.iter().map(|&b| f16::from_bits(b)).collect();
             l.ring.copy_from_slice(&img.ring);
@@ -704,7 +658,7 @@ pub fn memory_report(
     let (mut bits, mut values) = (0.0f64, 0.0f64);
     let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
     for (i, &(len, sealed)) in layers.iter().enumerate() {
-        let spec = cfg.body_spec(i);
+        let spec = cfg.body_codec(i);
         let sink = len.min(SINK);
         let body = sealed * GROUP;
         let ring = len - sink - body;

@@ -1,27 +1,45 @@
-//! Snapshots: a sequence saved to one file and restored, refusing anything that does not match.
+//! Saving and restoring one sequence.
 //!
-//! Layout (little-endian): `b"SJKVSNAP"`, `version: u32`, `payload_len: u64`, payload,
-//! `fnv1a64(everything before): u64`. The payload holds the configuration, then per layer the
-//! length, sealed group count, the occupied sink rows (fp16), the occupied ring rows (staged
-//! bytes, position order) and the sealed records (all KV heads of a group, group order). Files
-//! are written to a temporary name, synced, then renamed, so an interrupted save never replaces
-//! a good file.
+//! The sequence state is the reference's `SJKVSEQ` version-1 stream ([`crate::journal::state`]):
+//! a 128-byte identity header (geometry, bits, body, staging, tails, rotation, codebook id, the
+//! journal state), then per layer the sink rows, the sealed records and the tail rows, then an
+//! FNV-1a checksum. [`Sequence::state_bytes`] writes it and [`Sequence::from_state`] reads it;
+//! for a reference configuration ([`CacheConfig::is_reference`]) the reference codec loads the
+//! same bytes and the other way round. Extension configurations write the same layout with
+//! extension codes in the header (body 224, staging 2 for `q8_0`), which the reference refuses
+//! by name.
+//!
+//! A snapshot file wraps that stream with everything else sjkvarn's configuration holds (query
+//! heads, per-layer codings, balancing, Block-GTQ schedules, `max_tokens`), so a load restores the
+//! full configuration. Layout (little-endian): `b"SJKVSNAP"`, `version: u32` (2), `payload_len:
+//! u64`, payload = configuration block then the `SJKVSEQ` stream, `fnv1a64(everything before):
+//! u64`. Version-1 files (written before the reference format) are refused with what to do.
+//! Files are written to a temporary name, synced, then renamed, so an interrupted save never
+//! replaces a good file.
 
-use super::config::{CacheConfig, LayerCoding, Staging, SINK};
+use super::config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
 use super::pool::{RecordPool, SlotId};
 use super::sequence::Sequence;
+use super::staging::RowCodec;
 use super::{CacheError, CacheResult};
 use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
 use crate::body::{BodyCoding, TrellisAxis, GROUP};
+use crate::codec::{trellis::codebook, Body, BodyCodec};
 use crate::gtq::KeySchedule;
+use crate::journal::{self, StateHeader, StateIdentity, StateItem};
 use half::f16;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
 const MAGIC: &[u8; 8] = b"SJKVSNAP";
-/// Format version; bumped on any layout change.
-pub const VERSION: u32 = 1;
+/// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream).
+pub const VERSION: u32 = 2;
+
+/// Header body code of extension records (not a reference body).
+pub const BODY_EXTENSION: u32 = 224;
+/// Header staging code of `q8_0` rings (not a reference staging type).
+pub const STAGING_Q8_0: u32 = 2;
 
 /// FNV-1a, 64-bit: small, dependency-free and enough to catch corruption (not tampering).
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -101,9 +119,16 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
     for v in [c.layers, c.q_heads, c.kv_heads, c.head_dim] {
         w.u32(v);
     }
-    for v in [c.min_tail, c.max_tail, c.max_chunk, c.max_tokens] {
+    for v in [
+        c.min_tail,
+        c.max_tail,
+        c.max_chunk,
+        c.max_tokens,
+        c.flush_chunk,
+    ] {
         w.u64(v);
     }
+    w.u8((c.sink_type == SinkType::Inherit) as u8);
     w.u8(match c.staging {
         Staging::Tq6 => 0,
         Staging::Q8_0 => 1,
@@ -132,6 +157,12 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
 fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
     let (layers, q_heads, kv_heads, head_dim) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
     let (min_tail, max_tail, max_chunk, max_tokens) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+    let flush_chunk = r.u64()?;
+    let sink_type = match r.u8()? {
+        0 => SinkType::F16,
+        1 => SinkType::Inherit,
+        _ => return Err(corrupt("unknown sink type")),
+    };
     let staging = match r.u8()? {
         0 => Staging::Tq6,
         1 => Staging::Q8_0,
@@ -193,9 +224,11 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         min_tail,
         max_tail,
         max_chunk,
+        flush_chunk,
         max_tokens,
         balance,
         staging,
+        sink_type,
         key_schedules,
     };
     config
@@ -204,30 +237,204 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
     Ok(config)
 }
 
+impl CacheConfig {
+    /// The `SJKVSEQ` identity of this configuration, the size of one (largest) record and of
+    /// one staged row of one side.
+    pub fn state_identity(&self) -> (StateIdentity, usize, usize) {
+        let lc = self.layer_coding[0];
+        let codec = self.body_codec(0);
+        let reference = self.is_reference();
+        let body = match (&codec, reference) {
+            (BodyCodec::Reference { layout, .. }, true) => layout.body,
+            _ => Body::Scalar,
+        };
+        let body_code = if reference {
+            body as u32
+        } else {
+            BODY_EXTENSION
+        };
+        let codebook_id = if reference && body == Body::Trellis {
+            journal::codebook_id(
+                journal::state::BODY_TRELLIS,
+                codebook(lc.k_bits, false),
+                codebook(lc.v_bits, true),
+            )
+        } else {
+            0
+        };
+        let record_bytes = (0..self.layers)
+            .map(|l| self.body_codec(l).record_bytes())
+            .max()
+            .unwrap_or(0);
+        let id = StateIdentity {
+            head_dim: self.head_dim as u32,
+            n_head_kv: self.kv_heads as u32,
+            group: GROUP as u32,
+            sink: SINK as u32,
+            sink_type: match self.sink_type {
+                SinkType::F16 => journal::state::SINK_F16,
+                SinkType::Inherit => journal::state::SINK_INHERIT,
+            },
+            bits_k: lc.k_bits,
+            bits_v: lc.v_bits,
+            body: body_code,
+            iters: self.balance.passes,
+            staging: match self.staging {
+                Staging::Tq6 => journal::state::STAGING_TQ6_0,
+                Staging::F16 => journal::state::STAGING_F16,
+                Staging::Q8_0 => STAGING_Q8_0,
+            },
+            tail: self.min_tail as u32,
+            tail_max: self.max_tail as u32,
+            flush_chunk: self.flush_chunk as u32,
+            codebook_id,
+            n_layers: self.layers as u32,
+        };
+        let rows = RowCodec::new(self.staging, self.head_dim);
+        (id, record_bytes, rows.row_bytes())
+    }
+}
+
 impl Sequence {
-    /// The snapshot bytes of this sequence.
-    pub fn snapshot_bytes(&self) -> Vec<u8> {
-        let cfg = self.config();
-        let mut w = Writer(Vec::new());
-        write_config(&mut w, cfg);
-        let per_pos = cfg.kv_heads * cfg.head_dim;
-        let rb = self.rows.row_bytes();
-        for (i, l) in self.layers.iter().enumerate() {
-            w.u64(l.len);
-            w.u64(l.sealed);
-            let sink = l.len.min(SINK) * per_pos;
-            for v in l.sink_k[..sink].iter().chain(&l.sink_v[..sink]) {
-                w.0.extend_from_slice(&v.to_le_bytes());
-            }
-            for pos in l.ring_start().max(SINK)..l.len {
-                let at = (pos - SINK) % cfg.ring_rows() * cfg.kv_heads * 2 * rb;
-                w.0.extend_from_slice(&l.ring[at..at + cfg.kv_heads * 2 * rb]);
-            }
-            let slot = cfg.kv_heads * cfg.body_spec(i).record_bytes();
-            for &id in &l.blocks {
-                w.0.extend_from_slice(&self.pool().get(id)[..slot]);
-            }
+    /// The journal header of this sequence; every layer must hold the same positions.
+    fn state_header(&self) -> CacheResult<StateHeader> {
+        let first = self.layers[0].state();
+        if self.layers.iter().any(|l| l.state() != first) {
+            return Err(CacheError::Snapshot(
+                "layers hold different lengths or sealed ends; append the same tokens to every \
+                 layer before saving"
+                    .into(),
+            ));
         }
+        let (identity, _, _) = self.config.state_identity();
+        Ok(StateHeader {
+            identity,
+            n: first.len as u32,
+            b: (SINK + GROUP * first.sealed) as u32,
+            b_prev: (SINK + GROUP * first.sealed_prev) as u32,
+            draining: first.draining as u32,
+        })
+    }
+
+    /// The sequence as an `SJKVSEQ` v1 stream (byte-compatible with the reference codec for
+    /// reference configurations).
+    pub fn state_bytes(&self) -> CacheResult<Vec<u8>> {
+        let header = self.state_header()?;
+        let cfg = self.config.clone();
+        let (_, record_bytes, stage) = cfg.state_identity();
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let ring_rows = cfg.ring_rows();
+        let mut fill = |item: StateItem, dst: &mut [u8]| match item {
+            StateItem::SinkRow { layer, pos, head } => {
+                let l = &self.layers[layer as usize];
+                let at = (pos as usize * h + head as usize) * d;
+                let row = l.sink_k[at..at + d].iter().chain(&l.sink_v[at..at + d]);
+                for (o, v) in dst.chunks_exact_mut(2).zip(row) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            StateItem::Record { layer, group, head } => {
+                let l = &self.layers[layer as usize];
+                let rb = cfg.body_codec(layer as usize).record_bytes();
+                let slot = self.pool().get(l.blocks[group as usize]);
+                let head = head as usize;
+                dst.fill(0);
+                dst[..rb].copy_from_slice(&slot[head * rb..(head + 1) * rb]);
+            }
+            StateItem::TailRow { layer, pos, head } => {
+                let l = &self.layers[layer as usize];
+                let slot = (pos as usize - SINK) % ring_rows;
+                let at = (slot * h + head as usize) * 2 * stage;
+                dst.copy_from_slice(&l.ring[at..at + 2 * stage]);
+            }
+        };
+        Ok(journal::write_state_vec(
+            &header,
+            record_bytes,
+            stage,
+            &mut fill,
+        )?)
+    }
+
+    /// Restores a sequence of `config` from an `SJKVSEQ` stream into `pool` (a new pool sized
+    /// for one sequence when `None`). Every mismatch and every damage is refused with its own
+    /// [`StateError`] before anything is allocated in the pool.
+    pub fn from_state(
+        config: Arc<CacheConfig>,
+        pool: Option<Arc<RecordPool>>,
+        bytes: &[u8],
+    ) -> CacheResult<Sequence> {
+        config.validate()?;
+        let (identity, record_bytes, stage) = config.state_identity();
+        let info = journal::peek(bytes)?;
+        journal::check_identity(&info, &identity, record_bytes, stage)?;
+        let groups_cap = config.max_tokens.saturating_sub(SINK).div_ceil(GROUP);
+        info.check_capacity(
+            config.max_tokens as u32,
+            groups_cap as u32,
+            config.ring_rows() as u32,
+        )?;
+        let hd = info.header;
+        let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
+        let mut seq = Sequence::new(config.clone(), pool)?;
+        let (h, d) = (config.kv_heads, config.head_dim);
+        let ring_rows = config.ring_rows();
+        let n_rec = ((hd.b - hd.identity.sink) / hd.identity.group) as usize;
+        let slot_bytes = config.slot_bytes();
+        let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * config.layers];
+        let layers = &mut seq.layers;
+        journal::walk_payload(bytes, &info, record_bytes, stage, |item, src| match item {
+            StateItem::SinkRow { layer, pos, head } => {
+                let l = &mut layers[layer as usize];
+                let at = (pos as usize * h + head as usize) * d;
+                for (i, c) in src.chunks_exact(2).enumerate() {
+                    let v = f16::from_le_bytes([c[0], c[1]]);
+                    if i < d {
+                        l.sink_k[at + i] = v;
+                    } else {
+                        l.sink_v[at + i - d] = v;
+                    }
+                }
+            }
+            StateItem::Record { layer, group, head } => {
+                let rb = config.body_codec(layer as usize).record_bytes();
+                let slot = &mut slots[layer as usize * n_rec + group as usize];
+                let head = head as usize;
+                slot[head * rb..(head + 1) * rb].copy_from_slice(&src[..rb]);
+            }
+            StateItem::TailRow { layer, pos, head } => {
+                let l = &mut layers[layer as usize];
+                let slot = (pos as usize - SINK) % ring_rows;
+                let at = (slot * h + head as usize) * 2 * stage;
+                l.ring[at..at + 2 * stage].copy_from_slice(src);
+            }
+        })?;
+        let ids: Vec<SlotId> = seq.pool.reserve(slots.len())?;
+        for (i, (bytes, id)) in slots.into_iter().zip(ids).enumerate() {
+            let layer = i / n_rec.max(1);
+            let rb = config.kv_heads * config.body_codec(layer).record_bytes();
+            seq.pool.fill(id, Arc::from(&bytes[..rb]));
+            seq.layers[layer].blocks.push(id);
+        }
+        let st = crate::journal::LayerState {
+            len: hd.n as usize,
+            sealed: n_rec,
+            sealed_prev: ((hd.b_prev - hd.identity.sink) / hd.identity.group) as usize,
+            draining: hd.draining == 1,
+        };
+        for l in seq.layers.iter_mut() {
+            l.set_state(st);
+        }
+        Ok(seq)
+    }
+
+    /// The snapshot bytes of this sequence: configuration block, then the `SJKVSEQ` stream.
+    pub fn snapshot_bytes(&self) -> CacheResult<Vec<u8>> {
+        let mut w = Writer(Vec::new());
+        write_config(&mut w, self.config());
+        let stream = self.state_bytes()?;
+        w.u64(stream.len());
+        w.0.extend_from_slice(&stream);
         let mut out = Vec::with_capacity(w.0.len() + 28);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
@@ -235,13 +442,13 @@ impl Sequence {
         out.extend_from_slice(&w.0);
         let sum = fnv1a64(&out);
         out.extend_from_slice(&sum.to_le_bytes());
-        out
+        Ok(out)
     }
 
     /// Writes the snapshot to `path` atomically (temporary file, fsync, rename).
     pub fn save(&self, path: &Path) -> CacheResult<()> {
         let io = |e: std::io::Error| CacheError::Io(format!("{}: {e}", path.display()));
-        let bytes = self.snapshot_bytes();
+        let bytes = self.snapshot_bytes()?;
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let result = (|| {
             let mut f = std::fs::File::create(&tmp)?;
@@ -272,6 +479,14 @@ impl Sequence {
             ));
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        if version == 1 {
+            return Err(CacheError::Snapshot(
+                "snapshot version 1 was written before sjkvarn adopted the SJ-KVaRN reference \
+                 record format; this build cannot read its records. Rebuild the cache from the \
+                 prompt (append the tokens again) and save it anew"
+                    .into(),
+            ));
+        }
         if version != VERSION {
             return Err(CacheError::Snapshot(format!(
                 "snapshot version {version}, this build reads {VERSION}"
@@ -303,52 +518,12 @@ impl Sequence {
                 ));
             }
         }
-        let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
-        let mut seq = Sequence::new(Arc::new(config), pool)?;
-        let cfg = seq.config.clone();
-        let per_pos = cfg.kv_heads * cfg.head_dim;
-        let rb = seq.rows.row_bytes();
-        let mut records: Vec<(usize, Vec<u8>)> = Vec::new();
-        for i in 0..cfg.layers {
-            let (len, sealed) = (r.u64()?, r.u64()?);
-            if len > cfg.max_tokens
-                || SINK + sealed * GROUP > len.max(SINK)
-                || len.saturating_sub(SINK + sealed * GROUP) > cfg.ring_rows()
-            {
-                return Err(corrupt("layer lengths"));
-            }
-            let l = &mut seq.layers[i];
-            l.len = len;
-            l.sealed = sealed;
-            let sink = len.min(SINK) * per_pos;
-            let raw = r.take(4 * sink)?;
-            for (j, c) in raw.chunks_exact(2).enumerate() {
-                let v = f16::from_le_bytes([c[0], c[1]]);
-                if j < sink {
-                    l.sink_k[j] = v;
-                } else {
-                    l.sink_v[j - sink] = v;
-                }
-            }
-            for pos in (SINK + sealed * GROUP).max(SINK)..len {
-                let at = (pos - SINK) % cfg.ring_rows() * cfg.kv_heads * 2 * rb;
-                let row = r.take(cfg.kv_heads * 2 * rb)?;
-                l.ring[at..at + row.len()].copy_from_slice(row);
-            }
-            let slot = cfg.kv_heads * cfg.body_spec(i).record_bytes();
-            for _ in 0..sealed {
-                records.push((i, r.take(slot)?.to_vec()));
-            }
-        }
+        let stream_len = r.u64()?;
+        let stream = r.take(stream_len)?;
         if r.at != r.bytes.len() {
             return Err(corrupt("trailing bytes"));
         }
-        let ids: Vec<SlotId> = seq.pool.reserve(records.len())?;
-        for ((layer, bytes), id) in records.into_iter().zip(ids) {
-            seq.pool.fill(id, Arc::from(bytes));
-            seq.layers[layer].blocks.push(id);
-        }
-        Ok(seq)
+        Sequence::from_state(Arc::new(config), pool, stream)
     }
 
     /// Reads a snapshot file; see [`Sequence::from_snapshot`].

@@ -1,12 +1,12 @@
 //! Storage of one staged head vector (one K or V row of one KV head) in the ring.
 //!
-//! `tq6_0` and `q8_0` rows hold Hadamard-rotated values; fp16 rows hold the model's own values,
-//! so an fp16-staged cache is exact for fp16 inputs (no rotation rounding), and attention reads
-//! them in the model's frame.
+//! Every staging type holds Hadamard-rotated rows, as the reference does: `tq6_0` (the
+//! reference's 98-byte blocks; a 64-wide head uses the 50-byte extension block), rotated fp16,
+//! and the `q8_0` extension.
 
 use super::config::Staging;
+use crate::codec::tq6;
 use crate::ggml::{block_scales, GgmlFormat};
-use crate::tq::TqBlock;
 use crate::{CodecError, Result};
 use half::f16;
 
@@ -22,21 +22,9 @@ impl RowCodec {
         Self { staging, head_dim }
     }
 
-    fn tq(&self) -> TqBlock {
-        TqBlock {
-            bits: 6,
-            len: self.head_dim.min(128),
-        }
-    }
-
-    /// Whether rows are stored in the rotated frame.
-    pub fn rotated(&self) -> bool {
-        self.staging != Staging::F16
-    }
-
     pub fn row_bytes(&self) -> usize {
         match self.staging {
-            Staging::Tq6 => self.head_dim / self.tq().len * self.tq().bytes(),
+            Staging::Tq6 => tq6::row_bytes(self.head_dim),
             Staging::Q8_0 => self.head_dim / 32 * GgmlFormat::Q8_0.block_bytes(),
             Staging::F16 => 2 * self.head_dim,
         }
@@ -47,13 +35,21 @@ impl RowCodec {
         self.row_bytes() as f64 * 8.0 / self.head_dim as f64
     }
 
-    /// Encodes one row (rotated for tq6_0/q8_0, model frame for fp16; finite values).
+    /// Encodes one rotated row of finite values. A row whose stored scale would overflow fp16
+    /// is refused instead of writing an infinite norm.
     pub fn encode(&self, row: &[f32], out: &mut [u8]) -> Result<()> {
         match self.staging {
             Staging::Tq6 => {
-                let b = self.tq();
-                for (x, o) in row.chunks_exact(b.len).zip(out.chunks_exact_mut(b.bytes())) {
-                    b.encode_rotated(x, o)?;
+                tq6::encode_row(row, out);
+                let block = tq6::row_bytes(self.head_dim).min(tq6::BLOCK_BYTES);
+                for b in out.chunks_exact(block) {
+                    if !f16::from_le_bytes([b[0], b[1]]).is_finite() {
+                        let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+                        return Err(CodecError::ScaleOverflow {
+                            what: "tq6_0 staging norm",
+                            value: norm,
+                        });
+                    }
                 }
             }
             Staging::Q8_0 => {
@@ -88,18 +84,10 @@ impl RowCodec {
         Ok(())
     }
 
-    /// Decodes one row into `out` (same frame it was stored in).
+    /// Decodes one row into `out` (rotated).
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         match self.staging {
-            Staging::Tq6 => {
-                let b = self.tq();
-                for (o, x) in out
-                    .chunks_exact_mut(b.len)
-                    .zip(bytes.chunks_exact(b.bytes()))
-                {
-                    b.decode_rotated(x, o);
-                }
-            }
+            Staging::Tq6 => tq6::decode_row(bytes, out),
             Staging::Q8_0 => {
                 let f = GgmlFormat::Q8_0;
                 for (o, x) in out

@@ -41,7 +41,8 @@ impl BodyCodec {
         balance: BalanceConfig,
         schedules: &[KeySchedule],
     ) -> Result<Self> {
-        let reference_balance = balance.mode == BalanceMode::Final && balance.stat == BalanceStat::Std;
+        let reference_balance =
+            balance.mode == BalanceMode::Final && balance.stat == BalanceStat::Std;
         let body = match (k_coding, v_coding) {
             (BodyCoding::Scalar, BodyCoding::Scalar) => Some(Body::Scalar),
             (BodyCoding::Trellis(TrellisAxis::Token), BodyCoding::Trellis(TrellisAxis::Token)) => {
@@ -112,7 +113,9 @@ impl BodyCodec {
     pub fn halves(&self, head: usize, rec: &[u8]) -> Result<Vec<DecodedHalf>> {
         match self {
             BodyCodec::Reference { layout, .. } => Ok(vec![reference_half(layout, rec)?]),
-            BodyCodec::Extension { spec, schedules, .. } => match schedules.get(head) {
+            BodyCodec::Extension {
+                spec, schedules, ..
+            } => match schedules.get(head) {
                 Some(s) => Ok(vec![crate::gtq::decode_record(spec, s, rec)?]),
                 None => (0..spec.half_count())
                     .map(|h| spec.decode_half(rec, h))
@@ -186,12 +189,18 @@ fn reference_half(l: &RecordLayout, rec: &[u8]) -> Result<DecodedHalf> {
     }
     Ok(DecodedHalf {
         k_units,
-        a_k: (0..d).map(|c| half(l.k_scale + 2 * l.k_channel_slot(c))).collect(),
-        z_k: (0..d).map(|c| half(l.k_zero + 2 * l.k_channel_slot(c))).collect(),
+        a_k: (0..d)
+            .map(|c| half(l.k_scale + 2 * l.k_channel_slot(c)))
+            .collect(),
+        z_k: (0..d)
+            .map(|c| half(l.k_zero + 2 * l.k_channel_slot(c)))
+            .collect(),
         s_k: (0..g).map(|t| half(l.k_tok + 2 * t)).collect(),
         v_units,
         a_v: (0..g).map(|t| half(l.v_scale + 2 * t)).collect(),
         z_v: (0..g).map(|t| half(l.v_zero + 2 * t)).collect(),
-        s_v: (0..d).map(|c| half(l.v_ch + 2 * l.v_channel_slot(c))).collect(),
+        s_v: (0..d)
+            .map(|c| half(l.v_ch + 2 * l.v_channel_slot(c)))
+            .collect(),
     })
 }
