@@ -32,6 +32,13 @@ const D: usize = 64;
 
 /// K and V of `n` tokens from position `from` of content stream `stream` (all layers alike
 /// but for a per-layer offset), `[n][KV][D]` each.
+/// Every byte a sequence holds, layer by layer.
+fn images(seq: &Sequence) -> Vec<sjkvarn::cache::LayerImage> {
+    (0..seq.config().layers)
+        .map(|l| seq.layer_image(l).unwrap())
+        .collect()
+}
+
 fn content(stream: u64, layer: usize, from: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
     let (mut k, mut v) = (
         Vec::with_capacity(n * KV * D),
@@ -249,7 +256,7 @@ fn main() {
         match op {
             0..=54 => {
                 let n = (1 + rng.next_u64() as usize % 300).min(cfg.max_tokens - len);
-                let before = l.seq.snapshot_bytes();
+                let before = images(&l.seq);
                 let mut failed = None;
                 for layer in 0..LAYERS {
                     let (k, v) = content(l.stream, layer, len, n);
@@ -264,7 +271,7 @@ fn main() {
                         *counts.entry("append").or_default() += 1;
                     }
                     Some((0, CacheError::PoolExhausted { .. })) => {
-                        assert_eq!(l.seq.snapshot_bytes(), before, "failed append changed it");
+                        assert!(images(&l.seq) == before, "failed append changed it");
                         *counts.entry("pool_exhausted").or_default() += 1;
                         live[slot] = None; // free its slots for the others
                     }
@@ -309,10 +316,14 @@ fn main() {
                 let layer = rng.next_u64() as usize % LAYERS;
                 let q: Vec<f32> = rng.gaussians(Q * D);
                 let a = attend(&l.seq, layer, &q, None).expect("attend");
-                let restored = Sequence::from_snapshot(&l.seq.snapshot_bytes(), None, None)
-                    .expect("snapshot restores");
-                let b = attend(&restored, layer, &q, None).expect("attend restored");
-                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+                // A snapshot needs every layer at the same journal state (a rolled-back append
+                // can leave them apart until the next seal).
+                if let Ok(bytes) = l.seq.snapshot_bytes() {
+                    let restored =
+                        Sequence::from_snapshot(&bytes, None, None).expect("snapshot restores");
+                    let b = attend(&restored, layer, &q, None).expect("attend restored");
+                    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+                }
                 assert!(a.iter().all(|x| x.is_finite()));
                 *counts.entry("decode").or_default() += 1;
             }
@@ -350,17 +361,19 @@ fn main() {
                 }
             }
             89..=93 => {
-                if l.seq.seal_idle().is_ok() {
+                if l.seq.seal_idle(0).is_ok() {
                     *counts.entry("seal_idle").or_default() += 1;
                 } else {
                     *counts.entry("pool_exhausted").or_default() += 1;
                 }
             }
             94..=96 => {
-                let bytes = l.seq.snapshot_bytes();
+                let Ok(bytes) = l.seq.snapshot_bytes() else {
+                    continue;
+                };
                 let restored = Sequence::from_snapshot(&bytes, Some(pool.clone()), None);
                 if let Ok(seq) = restored {
-                    assert_eq!(seq.snapshot_bytes(), bytes);
+                    assert_eq!(seq.snapshot_bytes().unwrap(), bytes);
                     l.seq = seq;
                     *counts.entry("snapshot_restore").or_default() += 1;
                 }

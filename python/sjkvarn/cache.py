@@ -102,9 +102,15 @@ def _parse_device(device: str) -> tuple[str, int]:
 class Config:
     """Geometry, per-layer coding, tail sizes and staging of a cache.
 
-    ``body`` is ``"scalar"``, ``"trellis"`` (token axis) or ``"trellis-channel"``; ``layer_bits``
-    overrides ``(k_bits, v_bits, body)`` per layer (tiered edge layers). ``staging`` is
-    ``"tq6_0"`` (default), ``"q8_0"`` or ``"f16"``. ``pool_sequences`` sizes the record pool
+    ``body`` is ``"scalar"``, ``"trellis"`` (the reference token-axis trellis, 3/3, 3/2 or 2/2)
+    or ``"trellis-channel"`` (extension); ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per
+    layer (tiered edge layers). ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16)
+    or ``"q8_0"`` (extension). ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the
+    reference's ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed
+    tail); ``sink_type`` is ``"f16"`` or ``"inherit"`` (with f16 staging). A configuration with
+    2..4-bit scalar or reference-trellis bodies, tq6_0 or f16 staging and ``head_dim`` a multiple
+    of 128 writes the reference SJ-KVaRN format (``Cache.reference_format``). ``pool_sequences``
+    sizes the record pool
     that this cache and its forks share (in sequences of ``max_tokens``). ``key_schedules``
     (per layer, per KV head, one width per RoPE block; see :mod:`sjkvarn.gtq`) codes the keys of
     those layers with Block-GTQ; their mean width must equal the layer's ``k_bits``.
@@ -121,11 +127,13 @@ class Config:
     min_tail: int = 4096
     max_tail: int = 8192
     max_chunk: int = 512
+    flush_chunk: int = 0
     max_tokens: int = 32768
     passes: int = 16
     mode: str = "final"
     stat: str = "std"
     staging: str = "tq6_0"
+    sink_type: str = "f16"
     device: str = "cpu"
     pool_sequences: int = 1
     key_schedules: list[list[list[int]]] | None = None
@@ -150,6 +158,60 @@ class Config:
         else:
             rows = [(self.k_bits, self.v_bits, self.body, self.body)] * self.layers
         return [(k, v, self.key_body(i) or kb, vb) for i, (k, v, kb, vb) in enumerate(rows)]
+
+
+def _spec_of(config: Config) -> Any:
+    """The validated core configuration of ``config``."""
+    return _core.CacheSpec(
+        config.layers,
+        config.q_heads or config.kv_heads,
+        config.kv_heads,
+        config.head_dim,
+        config.layer_coding(),
+        config.min_tail,
+        config.max_tail,
+        config.max_chunk,
+        config.max_tokens,
+        config.passes,
+        config.mode,
+        config.stat,
+        config.staging,
+        config.key_schedules,
+        config.flush_chunk,
+        config.sink_type,
+    )
+
+
+def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
+    """The :class:`Config` of a restored cache, from the core's full configuration."""
+    coding = [tuple(c) for c in d["layer_coding"]]
+    schedules = d["key_schedules"] or None
+    k, v, kb, vb = coding[0]
+    uniform = all(c == coding[0] for c in coding)
+    body = vb if kb == "rope-blocks" else kb
+    layer_bits = None if uniform else [(c[0], c[1], c[3]) for c in coding]
+    return Config(
+        layers=d["layers"],
+        kv_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        q_heads=d["q_heads"],
+        k_bits=k,
+        v_bits=v,
+        body=body,
+        layer_bits=layer_bits,
+        min_tail=d["min_tail"],
+        max_tail=d["max_tail"],
+        max_chunk=d["max_chunk"],
+        flush_chunk=d["flush_chunk"],
+        max_tokens=d["max_tokens"],
+        passes=d["passes"],
+        mode=d["mode"],
+        stat=d["stat"],
+        staging=d["staging"],
+        sink_type=d["sink_type"],
+        pool_sequences=pool_sequences,
+        key_schedules=schedules,
+    )
 
 
 def _layer(layer: Any) -> int:
@@ -185,22 +247,7 @@ class Cache:
             if int(getattr(config, name)) < 1:
                 raise CacheError(f"{name} must be at least 1")
         kind, self._ordinal = _parse_device(config.device)
-        spec = _core.CacheSpec(
-            config.layers,
-            config.q_heads or config.kv_heads,
-            config.kv_heads,
-            config.head_dim,
-            config.layer_coding(),
-            config.min_tail,
-            config.max_tail,
-            config.max_chunk,
-            config.max_tokens,
-            config.passes,
-            config.mode,
-            config.stat,
-            config.staging,
-            config.key_schedules,
-        )
+        spec = _spec_of(config)
         if kind == "cuda":
             load_nvrtc()
             self._core = _core.DeviceCache(self._ordinal, spec, config.pool_sequences)
@@ -227,13 +274,20 @@ class Cache:
 
         return int(torch.cuda.current_stream(self._ordinal).cuda_stream)
 
-    def append(self, layer: int, k: Any, v: Any) -> None:
-        """Appends post-RoPE K and V, each ``[tokens, kv_heads, head_dim]``."""
+    def append(self, layer: int, k: Any, v: Any, *, rotated: bool = False) -> None:
+        """Appends post-RoPE K and V, each ``[tokens, kv_heads, head_dim]``.
+
+        ``rotated=True`` takes rows already in the Hadamard frame (as the reference's ``store``
+        does). An append of up to ``max_chunk`` tokens is one ubatch: a seal can only run at its
+        start, when the unsealed span has reached ``max_tail``.
+        """
         if self.is_cuda:
+            if rotated:
+                raise CacheError("rotated appends are CPU-only for now")
             k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
             self._core.append(_layer(layer), k32, v32, self._stream())
             return
-        self._core.append(_layer(layer), _exportable(k), _exportable(v))
+        self._core.append(_layer(layer), _exportable(k), _exportable(v), bool(rotated))
 
     def attend(self, layer: int, q: Any, *, scale: float | None = None) -> Any:
         """Attention of the newest ``tokens`` positions' queries ``[tokens, q_heads, head_dim]``.
@@ -261,14 +315,23 @@ class Cache:
         return out_np
 
     def truncate(self, n: int) -> int:
-        """Keeps the first ``n`` tokens; returns ``reprocess_from`` (re-append K/V from there)."""
+        """Keeps the first ``n`` tokens; returns the position to re-append K/V from.
+
+        A cut in the ring or the sink is free and returns ``n``; a cut in the sealed body drops
+        the groups from the group floor on and returns it (at most 127 tokens before ``n``);
+        ``n`` at or past the length changes nothing and returns the length.
+        """
         if n < 0:
             raise CacheError(f"cannot truncate to {n} tokens")
         return int(self._core.truncate(int(n)))
 
-    def seal_idle(self) -> None:
-        """Seals every layer back to ``min_tail`` unsealed tokens (between requests)."""
-        self._core.seal_idle()
+    def seal_idle(self, keep_recent: int = 0) -> None:
+        """Seals every layer back to ``min_tail`` unsealed tokens (between requests), never the
+        last ``max(keep_recent, min_tail)`` positions (pass ``length - k`` to keep a turn that
+        starts at ``k`` exact)."""
+        if keep_recent < 0:
+            raise CacheError(f"keep_recent must be >= 0, got {keep_recent}")
+        self._core.seal_idle(int(keep_recent))
 
     def fork(self) -> Cache:
         """A child sequence sharing this one's sealed records (copy-on-write) and pool."""
@@ -283,7 +346,7 @@ class Cache:
         return {"sink": sink, "body": body, "ring": ring}
 
     def chunk_limit(self, layer: int = 0) -> int:
-        """Tokens the next append can take with no seal inside it (chunked replay is exact)."""
+        """Tokens the next append runs as one ubatch (a seal can only run at its start)."""
         return int(self._core.chunk_limit(_layer(layer)))
 
     def memory(self) -> dict[str, float]:
@@ -292,6 +355,25 @@ class Cache:
 
     def snapshot(self) -> bytes:
         return bytes(self._core.snapshot())
+
+    @property
+    def reference_format(self) -> bool:
+        """Whether this cache writes the SJ-KVaRN reference format (records, staging, state)."""
+        core = self._core.to_cpu() if self.is_cuda else self._core
+        return bool(core.config()["reference_format"])
+
+    def state(self) -> bytes:
+        """The sequence as an ``SJKVSEQ`` v1 stream: the reference codec's per-sequence state
+        (``sj_kvarn_seq_state_write``), loadable there for a reference-format cache."""
+        core = self._core.to_cpu() if self.is_cuda else self._core
+        return bytes(core.state())
+
+    @classmethod
+    def from_state(cls, config: Config, data: bytes) -> Cache:
+        """A CPU cache of ``config`` restored from an ``SJKVSEQ`` stream (from :meth:`state` or
+        the reference codec). Every mismatch or damage raises SnapshotError naming it."""
+        core = _core.Cache.from_state(_spec_of(config), bytes(data), config.pool_sequences)
+        return cls(replace(config, device="cpu"), _core_cache=core)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes a versioned, checksummed snapshot (temporary file, fsync, rename). CUDA and CPU
@@ -318,7 +400,6 @@ class Cache:
     ) -> Cache:
         """Restores a snapshot; a mismatched, truncated or corrupted file raises SnapshotError."""
         core = _core.Cache.load(os.fspath(path), pool_sequences)
-        layers, q_heads, kv_heads, head_dim = core.geometry
-        config = Config(layers=layers, kv_heads=kv_heads, head_dim=head_dim, q_heads=q_heads)
+        config = _config_from_core(core.config(), pool_sequences)
         cache = cls(config, _core_cache=core)
         return cache if device == "cpu" else cache.to(device, pool_sequences=pool_sequences)

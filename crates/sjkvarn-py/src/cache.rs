@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::cache::attention::attend;
 use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
-    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, Staging,
+    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType, Staging,
 };
 use sjkvarn::gtq::KeySchedule;
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
@@ -39,7 +39,7 @@ pub(crate) fn err(e: CoreError) -> PyErr {
     match e {
         CoreError::LayerOutOfRange { .. } => PyIndexError::new_err(e.to_string()),
         CoreError::PoolExhausted { .. } => PoolExhaustedError::new_err(e.to_string()),
-        CoreError::Snapshot(_) => SnapshotError::new_err(e.to_string()),
+        CoreError::Snapshot(_) | CoreError::State(_) => SnapshotError::new_err(e.to_string()),
         CoreError::Io(_) => PyOSError::new_err(e.to_string()),
         CoreError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
         CoreError::Codec(c) => CodecError::new_err(c.to_string()),
@@ -58,7 +58,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None, flush_chunk=0, sink_type="f16"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -75,8 +75,10 @@ impl CacheSpec {
         stat: &str,
         staging: &str,
         key_schedules: Option<Vec<Vec<Vec<u32>>>>,
+        flush_chunk: usize,
+        sink_type: &str,
     ) -> PyResult<Self> {
-        let config = build_config(
+        let mut config = build_config(
             layers,
             q_heads,
             kv_heads,
@@ -87,8 +89,95 @@ impl CacheSpec {
             staging,
             key_schedules,
         )?;
+        config.flush_chunk = flush_chunk;
+        config.sink_type = match sink_type {
+            "f16" => SinkType::F16,
+            "inherit" => SinkType::Inherit,
+            _ => {
+                return Err(CacheError::new_err(format!(
+                    "sink_type must be 'f16' or 'inherit', got '{sink_type}'"
+                )))
+            }
+        };
+        config.validate().map_err(err)?;
         Ok(Self { config })
     }
+
+    /// The validated configuration as a dict of the constructor's arguments.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        config_dict(py, &self.config)
+    }
+}
+
+fn coding_name(c: sjkvarn::body::BodyCoding) -> &'static str {
+    use sjkvarn::body::{BodyCoding, TrellisAxis};
+    match c {
+        BodyCoding::Scalar => "scalar",
+        BodyCoding::Trellis(TrellisAxis::Token) => "trellis",
+        BodyCoding::Trellis(TrellisAxis::Channel) => "trellis-channel",
+        BodyCoding::RopeBlocks => "rope-blocks",
+    }
+}
+
+/// Every setting of a configuration, under the names `sjkvarn.Config` uses.
+pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("layers", c.layers)?;
+    d.set_item("q_heads", c.q_heads)?;
+    d.set_item("kv_heads", c.kv_heads)?;
+    d.set_item("head_dim", c.head_dim)?;
+    let coding: Vec<(u32, u32, &str, &str)> = c
+        .layer_coding
+        .iter()
+        .map(|lc| {
+            (
+                lc.k_bits,
+                lc.v_bits,
+                coding_name(lc.k_coding),
+                coding_name(lc.v_coding),
+            )
+        })
+        .collect();
+    d.set_item("layer_coding", coding)?;
+    d.set_item("min_tail", c.min_tail)?;
+    d.set_item("max_tail", c.max_tail)?;
+    d.set_item("max_chunk", c.max_chunk)?;
+    d.set_item("max_tokens", c.max_tokens)?;
+    d.set_item("flush_chunk", c.flush_chunk)?;
+    d.set_item("passes", c.balance.passes)?;
+    d.set_item(
+        "mode",
+        if c.balance.mode == BalanceMode::Best {
+            "best"
+        } else {
+            "final"
+        },
+    )?;
+    d.set_item(
+        "stat",
+        if c.balance.stat == BalanceStat::Rms {
+            "rms"
+        } else {
+            "std"
+        },
+    )?;
+    d.set_item("staging", c.staging.name())?;
+    d.set_item(
+        "sink_type",
+        if c.sink_type == SinkType::Inherit {
+            "inherit"
+        } else {
+            "f16"
+        },
+    )?;
+    let schedules: Vec<Vec<Vec<u32>>> = c
+        .key_schedules
+        .iter()
+        .map(|heads| heads.iter().map(|s| s.block_bits().to_vec()).collect())
+        .collect();
+    d.set_item("key_schedules", schedules)?;
+    d.set_item("reference_format", c.is_reference())?;
+    Ok(d)
 }
 
 /// Builds and validates a configuration from the Python-side arguments.
@@ -145,9 +234,11 @@ fn build_config(
         min_tail,
         max_tail,
         max_chunk,
+        flush_chunk: 0,
         max_tokens,
         balance,
         staging: Staging::from_name(staging).map_err(err)?,
+        sink_type: SinkType::F16,
         key_schedules: Vec::new(),
     };
     if let Some(layers) = key_schedules {
@@ -219,13 +310,16 @@ impl Cache {
         })
     }
 
-    /// Appends post-RoPE K and V `[tokens, kv_heads, head_dim]` to `layer`.
+    /// Appends post-RoPE K and V `[tokens, kv_heads, head_dim]` to `layer` (already in the
+    /// Hadamard frame when `rotated`).
+    #[pyo3(signature = (layer, k, v, rotated=false))]
     fn append(
         &mut self,
         py: Python<'_>,
         layer: usize,
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
+        rotated: bool,
     ) -> PyResult<()> {
         let cfg = self.seq.config();
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
@@ -245,7 +339,7 @@ impl Cache {
             )));
         }
         let seq = &mut self.seq;
-        py.detach(|| seq.append(layer, &kh.values, &vh.values))
+        py.detach(|| seq.append_frame(layer, &kh.values, &vh.values, rotated))
             .map_err(err)
     }
 
@@ -290,10 +384,12 @@ impl Cache {
         self.seq.truncate(n).map_err(err)
     }
 
-    /// Seals every layer back to `min_tail` unsealed tokens.
-    fn seal_idle(&mut self, py: Python<'_>) -> PyResult<()> {
+    /// The idle step: seals every layer back to `min_tail` unsealed tokens, never the last
+    /// `max(keep_recent, min_tail)` positions.
+    #[pyo3(signature = (keep_recent=0))]
+    fn seal_idle(&mut self, py: Python<'_>, keep_recent: usize) -> PyResult<()> {
         let seq = &mut self.seq;
-        py.detach(|| seq.seal_idle()).map_err(err)
+        py.detach(|| seq.seal_idle(keep_recent)).map_err(err)
     }
 
     /// A child cache sharing this one's sealed records and pool.
@@ -330,8 +426,28 @@ impl Cache {
     }
 
     /// The snapshot as bytes.
-    fn snapshot<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.seq.snapshot_bytes())
+    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.seq.snapshot_bytes().map_err(err)?))
+    }
+
+    /// The sequence as an `SJKVSEQ` v1 state stream (the reference codec's layout).
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(PyBytes::new(py, &self.seq.state_bytes().map_err(err)?))
+    }
+
+    /// Restores an `SJKVSEQ` stream into a new cache of `spec`.
+    #[staticmethod]
+    #[pyo3(signature = (spec, data, pool_sequences=1))]
+    fn from_state(spec: &CacheSpec, data: &[u8], pool_sequences: usize) -> PyResult<Cache> {
+        let config = spec.config.clone();
+        let pool = Sequence::pool_for(&config, pool_sequences);
+        let seq = Sequence::from_state(Arc::new(config), Some(pool), data).map_err(err)?;
+        Ok(Cache { seq })
+    }
+
+    /// The cache's full configuration (see `CacheSpec.to_dict`).
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        config_dict(py, self.seq.config())
     }
 
     /// Writes a snapshot atomically.

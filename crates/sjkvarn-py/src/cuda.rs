@@ -188,9 +188,10 @@ impl DeviceCache {
         self.seq.truncate(n).map_err(cuda_err)
     }
 
-    fn seal_idle(&mut self, py: Python<'_>) -> PyResult<()> {
+    #[pyo3(signature = (keep_recent=0))]
+    fn seal_idle(&mut self, py: Python<'_>, keep_recent: usize) -> PyResult<()> {
         let seq = &mut self.seq;
-        py.detach(|| seq.seal_idle()).map_err(cuda_err)
+        py.detach(|| seq.seal_idle(keep_recent)).map_err(cuda_err)
     }
 
     fn fork(&self) -> PyResult<DeviceCache> {
@@ -234,7 +235,10 @@ impl DeviceCache {
     /// The snapshot bytes (the same format and bytes as the CPU cache's).
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let host = self.to_cpu()?;
-        Ok(PyBytes::new(py, &host.seq.snapshot_bytes()))
+        Ok(PyBytes::new(
+            py,
+            &host.seq.snapshot_bytes().map_err(crate::cache::err)?,
+        ))
     }
 
     /// A device cache on `ordinal` holding a CPU cache's bytes.

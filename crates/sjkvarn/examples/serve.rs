@@ -98,7 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::remove_file(&path)?;
     println!(
         "snapshot: {} bytes, restored and identical",
-        requests[1].snapshot_bytes().len()
+        requests[1].snapshot_bytes()?.len()
     );
     println!("pool: {:?}", pool.stats());
     Ok(())

@@ -34,7 +34,7 @@ fn failed_seals_change_nothing() {
     }
     // A 700-token append runs several seals (chunks of 128 against a 512-token tail).
     let (k, v) = tokens(&mut rng, 700);
-    let before = seq.snapshot_bytes();
+    let before = seq.snapshot_bytes().unwrap();
     let used = pool.stats().used;
     let mut failures = 0;
     for after in 0..8 {
@@ -47,7 +47,7 @@ fn failed_seals_change_nothing() {
             Ok(()) => panic!("the append needs more than {after} records"),
         }
         assert_eq!(
-            seq.snapshot_bytes(),
+            seq.snapshot_bytes().unwrap(),
             before,
             "failure after {after} records changed it"
         );
@@ -60,14 +60,17 @@ fn failed_seals_change_nothing() {
     assert_eq!(failures, 8);
     // seal_idle failing part-way (layer 0 encoded, layer 1 failing) changes nothing either.
     faults::fail_seals_after(1);
-    assert!(seq.seal_idle().is_err());
+    assert!(seq.seal_idle(0).is_err());
     faults::clear();
-    assert_eq!(seq.snapshot_bytes(), before);
+    assert_eq!(seq.snapshot_bytes().unwrap(), before);
     // Disarmed, the same append gives the bytes of a sequence that never failed.
     let mut twin = Sequence::from_snapshot(&before, None, None).unwrap();
     seq.append(0, &k, &v).unwrap();
     twin.append(0, &k, &v).unwrap();
-    assert_eq!(seq.snapshot_bytes(), twin.snapshot_bytes());
+    assert_eq!(
+        seq.snapshot_bytes().unwrap(),
+        twin.snapshot_bytes().unwrap()
+    );
 }
 
 #[test]
@@ -80,13 +83,13 @@ fn exhausted_pool_mid_plan_changes_nothing() {
     let mut rng = SplitMix64::new(2);
     let (k, v) = tokens(&mut rng, 600);
     seq.append(0, &k, &v).unwrap();
-    let before = seq.snapshot_bytes();
+    let before = seq.snapshot_bytes().unwrap();
     let (k, v) = tokens(&mut rng, 900);
     assert!(matches!(
         seq.append(0, &k, &v),
         Err(CacheError::PoolExhausted { .. })
     ));
-    assert_eq!(seq.snapshot_bytes(), before);
+    assert_eq!(seq.snapshot_bytes().unwrap(), before);
     assert_eq!(pool.stats().used, seq.sealed_groups(0).unwrap());
 }
 
@@ -105,7 +108,7 @@ fn interrupted_snapshot_never_replaces_a_good_file() {
     let good = std::fs::read(&path).unwrap();
     let (k, v) = tokens(&mut rng, 50);
     seq.append(1, &k, &v).unwrap();
-    let newer = seq.snapshot_bytes();
+    let newer = seq.snapshot_bytes().unwrap();
     for cut in [0, 1, 27, good.len() / 2, newer.len() - 1] {
         faults::fail_snapshot_write_after(cut);
         assert!(matches!(seq.save(&path), Err(CacheError::Io(_))));

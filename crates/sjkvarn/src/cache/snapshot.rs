@@ -9,11 +9,12 @@
 //! extension codes in the header (body 224, staging 2 for `q8_0`), which the reference refuses
 //! by name.
 //!
-//! A snapshot file wraps that stream with everything else sjkvarn's configuration holds (query
+//! A snapshot file wraps the stream with everything else sjkvarn's configuration holds (query
 //! heads, per-layer codings, balancing, Block-GTQ schedules, `max_tokens`), so a load restores the
-//! full configuration. Layout (little-endian): `b"SJKVSNAP"`, `version: u32` (2), `payload_len:
-//! u64`, payload = configuration block then the `SJKVSEQ` stream, `fnv1a64(everything before):
-//! u64`. Version-1 files (written before the reference format) are refused with what to do.
+//! full configuration; it holds one single-layer stream per layer, so layers caught between
+//! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
+//! `b"SJKVSNAP"`, `version: u32` (2), `payload_len: u64`, payload = configuration block then per
+//! layer `len: u64` and its `SJKVSEQ` stream, `fnv1a64(everything before): u64`. Version-1 files (written before the reference format) are refused with what to do.
 //! Files are written to a temporary name, synced, then renamed, so an interrupted save never
 //! replaces a good file.
 
@@ -238,20 +239,26 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
 }
 
 impl CacheConfig {
-    /// The `SJKVSEQ` identity of this configuration, the size of one (largest) record and of
-    /// one staged row of one side.
+    /// The `SJKVSEQ` identity of the whole configuration, the size of one (largest) record and
+    /// of one staged row of one side.
     pub fn state_identity(&self) -> (StateIdentity, usize, usize) {
-        let lc = self.layer_coding[0];
-        let codec = self.body_codec(0);
-        let reference = self.is_reference();
-        let body = match (&codec, reference) {
-            (BodyCodec::Reference { layout, .. }, true) => layout.body,
+        let all: Vec<usize> = (0..self.layers).collect();
+        self.state_identity_of(&all)
+    }
+
+    /// The identity of a stream holding `layers` (reference codes when those layers share one
+    /// reference coding and the staging is a reference type, extension codes otherwise).
+    fn state_identity_of(&self, layers: &[usize]) -> (StateIdentity, usize, usize) {
+        let lc = self.layer_coding[layers[0]];
+        let codec = self.body_codec(layers[0]);
+        let uniform = layers.iter().all(|&l| self.layer_coding[l] == lc);
+        let reference = uniform
+            && codec.is_reference()
+            && self.head_dim % 128 == 0
+            && self.staging != Staging::Q8_0;
+        let body = match &codec {
+            BodyCodec::Reference { layout, .. } => layout.body,
             _ => Body::Scalar,
-        };
-        let body_code = if reference {
-            body as u32
-        } else {
-            BODY_EXTENSION
         };
         let codebook_id = if reference && body == Body::Trellis {
             journal::codebook_id(
@@ -262,8 +269,9 @@ impl CacheConfig {
         } else {
             0
         };
-        let record_bytes = (0..self.layers)
-            .map(|l| self.body_codec(l).record_bytes())
+        let record_bytes = layers
+            .iter()
+            .map(|&l| self.body_codec(l).record_bytes())
             .max()
             .unwrap_or(0);
         let id = StateIdentity {
@@ -277,7 +285,11 @@ impl CacheConfig {
             },
             bits_k: lc.k_bits,
             bits_v: lc.v_bits,
-            body: body_code,
+            body: if reference {
+                body as u32
+            } else {
+                BODY_EXTENSION
+            },
             iters: self.balance.passes,
             staging: match self.staging {
                 Staging::Tq6 => journal::state::STAGING_TQ6_0,
@@ -288,7 +300,7 @@ impl CacheConfig {
             tail_max: self.max_tail as u32,
             flush_chunk: self.flush_chunk as u32,
             codebook_id,
-            n_layers: self.layers as u32,
+            n_layers: layers.len() as u32,
         };
         let rows = RowCodec::new(self.staging, self.head_dim);
         (id, record_bytes, rows.row_bytes())
@@ -296,37 +308,38 @@ impl CacheConfig {
 }
 
 impl Sequence {
-    /// The journal header of this sequence; every layer must hold the same positions.
-    fn state_header(&self) -> CacheResult<StateHeader> {
-        let first = self.layers[0].state();
-        if self.layers.iter().any(|l| l.state() != first) {
+    /// The sequence as an `SJKVSEQ` v1 stream (byte-compatible with the reference codec for
+    /// reference configurations). Every layer must hold the same positions and sealed end, as
+    /// the reference's one-policy-per-sequence state does.
+    pub fn state_bytes(&self) -> CacheResult<Vec<u8>> {
+        let all: Vec<usize> = (0..self.layers.len()).collect();
+        self.write_layers(&all)
+    }
+
+    /// The stream of `layers` (equal journal states).
+    fn write_layers(&self, layers: &[usize]) -> CacheResult<Vec<u8>> {
+        let first = self.layers[layers[0]].state();
+        if layers.iter().any(|&l| self.layers[l].state() != first) {
             return Err(CacheError::Snapshot(
                 "layers hold different lengths or sealed ends; append the same tokens to every \
-                 layer before saving"
+                 layer before saving the sequence state"
                     .into(),
             ));
         }
-        let (identity, _, _) = self.config.state_identity();
-        Ok(StateHeader {
+        let cfg = self.config.clone();
+        let (identity, record_bytes, stage) = cfg.state_identity_of(layers);
+        let header = StateHeader {
             identity,
             n: first.len as u32,
             b: (SINK + GROUP * first.sealed) as u32,
             b_prev: (SINK + GROUP * first.sealed_prev) as u32,
             draining: first.draining as u32,
-        })
-    }
-
-    /// The sequence as an `SJKVSEQ` v1 stream (byte-compatible with the reference codec for
-    /// reference configurations).
-    pub fn state_bytes(&self) -> CacheResult<Vec<u8>> {
-        let header = self.state_header()?;
-        let cfg = self.config.clone();
-        let (_, record_bytes, stage) = cfg.state_identity();
+        };
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let ring_rows = cfg.ring_rows();
         let mut fill = |item: StateItem, dst: &mut [u8]| match item {
             StateItem::SinkRow { layer, pos, head } => {
-                let l = &self.layers[layer as usize];
+                let l = &self.layers[layers[layer as usize]];
                 let at = (pos as usize * h + head as usize) * d;
                 let row = l.sink_k[at..at + d].iter().chain(&l.sink_v[at..at + d]);
                 for (o, v) in dst.chunks_exact_mut(2).zip(row) {
@@ -334,15 +347,16 @@ impl Sequence {
                 }
             }
             StateItem::Record { layer, group, head } => {
-                let l = &self.layers[layer as usize];
-                let rb = cfg.body_codec(layer as usize).record_bytes();
+                let index = layers[layer as usize];
+                let l = &self.layers[index];
+                let rb = cfg.body_codec(index).record_bytes();
                 let slot = self.pool().get(l.blocks[group as usize]);
                 let head = head as usize;
                 dst.fill(0);
                 dst[..rb].copy_from_slice(&slot[head * rb..(head + 1) * rb]);
             }
             StateItem::TailRow { layer, pos, head } => {
-                let l = &self.layers[layer as usize];
+                let l = &self.layers[layers[layer as usize]];
                 let slot = (pos as usize - SINK) % ring_rows;
                 let at = (slot * h + head as usize) * 2 * stage;
                 dst.copy_from_slice(&l.ring[at..at + 2 * stage]);
@@ -358,14 +372,24 @@ impl Sequence {
 
     /// Restores a sequence of `config` from an `SJKVSEQ` stream into `pool` (a new pool sized
     /// for one sequence when `None`). Every mismatch and every damage is refused with its own
-    /// [`StateError`] before anything is allocated in the pool.
+    /// [`journal::StateError`] before anything is allocated in the pool.
     pub fn from_state(
         config: Arc<CacheConfig>,
         pool: Option<Arc<RecordPool>>,
         bytes: &[u8],
     ) -> CacheResult<Sequence> {
         config.validate()?;
-        let (identity, record_bytes, stage) = config.state_identity();
+        let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
+        let mut seq = Sequence::new(config.clone(), pool)?;
+        let all: Vec<usize> = (0..config.layers).collect();
+        seq.read_layers(&all, bytes)?;
+        Ok(seq)
+    }
+
+    /// Fills the (empty) `layers` of this sequence from a stream holding exactly them.
+    fn read_layers(&mut self, layers: &[usize], bytes: &[u8]) -> CacheResult<()> {
+        let config = self.config.clone();
+        let (identity, record_bytes, stage) = config.state_identity_of(layers);
         let info = journal::peek(bytes)?;
         journal::check_identity(&info, &identity, record_bytes, stage)?;
         let groups_cap = config.max_tokens.saturating_sub(SINK).div_ceil(GROUP);
@@ -375,17 +399,15 @@ impl Sequence {
             config.ring_rows() as u32,
         )?;
         let hd = info.header;
-        let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
-        let mut seq = Sequence::new(config.clone(), pool)?;
         let (h, d) = (config.kv_heads, config.head_dim);
         let ring_rows = config.ring_rows();
         let n_rec = ((hd.b - hd.identity.sink) / hd.identity.group) as usize;
         let slot_bytes = config.slot_bytes();
-        let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * config.layers];
-        let layers = &mut seq.layers;
+        let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * layers.len()];
+        let journals = &mut self.layers;
         journal::walk_payload(bytes, &info, record_bytes, stage, |item, src| match item {
             StateItem::SinkRow { layer, pos, head } => {
-                let l = &mut layers[layer as usize];
+                let l = &mut journals[layers[layer as usize]];
                 let at = (pos as usize * h + head as usize) * d;
                 for (i, c) in src.chunks_exact(2).enumerate() {
                     let v = f16::from_le_bytes([c[0], c[1]]);
@@ -397,24 +419,24 @@ impl Sequence {
                 }
             }
             StateItem::Record { layer, group, head } => {
-                let rb = config.body_codec(layer as usize).record_bytes();
+                let rb = config.body_codec(layers[layer as usize]).record_bytes();
                 let slot = &mut slots[layer as usize * n_rec + group as usize];
                 let head = head as usize;
                 slot[head * rb..(head + 1) * rb].copy_from_slice(&src[..rb]);
             }
             StateItem::TailRow { layer, pos, head } => {
-                let l = &mut layers[layer as usize];
+                let l = &mut journals[layers[layer as usize]];
                 let slot = (pos as usize - SINK) % ring_rows;
                 let at = (slot * h + head as usize) * 2 * stage;
                 l.ring[at..at + 2 * stage].copy_from_slice(src);
             }
         })?;
-        let ids: Vec<SlotId> = seq.pool.reserve(slots.len())?;
+        let ids: Vec<SlotId> = self.pool.reserve(slots.len())?;
         for (i, (bytes, id)) in slots.into_iter().zip(ids).enumerate() {
-            let layer = i / n_rec.max(1);
+            let layer = layers[i / n_rec.max(1)];
             let rb = config.kv_heads * config.body_codec(layer).record_bytes();
-            seq.pool.fill(id, Arc::from(&bytes[..rb]));
-            seq.layers[layer].blocks.push(id);
+            self.pool.fill(id, Arc::from(&bytes[..rb]));
+            self.layers[layer].blocks.push(id);
         }
         let st = crate::journal::LayerState {
             len: hd.n as usize,
@@ -422,19 +444,22 @@ impl Sequence {
             sealed_prev: ((hd.b_prev - hd.identity.sink) / hd.identity.group) as usize,
             draining: hd.draining == 1,
         };
-        for l in seq.layers.iter_mut() {
-            l.set_state(st);
+        for &l in layers {
+            self.layers[l].set_state(st);
         }
-        Ok(seq)
+        Ok(())
     }
 
-    /// The snapshot bytes of this sequence: configuration block, then the `SJKVSEQ` stream.
+    /// The snapshot bytes of this sequence: the configuration block, then one single-layer
+    /// `SJKVSEQ` stream per layer (so layers at different points, and tiered layers, save too).
     pub fn snapshot_bytes(&self) -> CacheResult<Vec<u8>> {
         let mut w = Writer(Vec::new());
         write_config(&mut w, self.config());
-        let stream = self.state_bytes()?;
-        w.u64(stream.len());
-        w.0.extend_from_slice(&stream);
+        for layer in 0..self.layers.len() {
+            let stream = self.write_layers(&[layer])?;
+            w.u64(stream.len());
+            w.0.extend_from_slice(&stream);
+        }
         let mut out = Vec::with_capacity(w.0.len() + 28);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
@@ -518,12 +543,21 @@ impl Sequence {
                 ));
             }
         }
-        let stream_len = r.u64()?;
-        let stream = r.take(stream_len)?;
+        let config = Arc::new(config);
+        let mut streams = Vec::with_capacity(config.layers);
+        for _ in 0..config.layers {
+            let len = r.u64()?;
+            streams.push(r.take(len)?);
+        }
         if r.at != r.bytes.len() {
             return Err(corrupt("trailing bytes"));
         }
-        Sequence::from_state(Arc::new(config), pool, stream)
+        let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
+        let mut seq = Sequence::new(config, pool)?;
+        for (layer, stream) in streams.into_iter().enumerate() {
+            seq.read_layers(&[layer], stream)?;
+        }
+        Ok(seq)
     }
 
     /// Reads a snapshot file; see [`Sequence::from_snapshot`].

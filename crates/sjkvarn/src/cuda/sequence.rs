@@ -11,12 +11,10 @@
 use super::kernels::Kernels;
 use super::{CudaError, CudaResult};
 use crate::cache::pool::SlotId;
-use crate::cache::sequence::{
-    chunk_limit_at, memory_report, plan_append, regions_at, seal_idle_plan, truncated_state,
-    LayerImage, MemoryReport,
-};
+use crate::cache::sequence::{memory_report, regions_at, LayerImage, MemoryReport};
 use crate::cache::staging::RowCodec;
 use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
+use crate::journal::{Chunk, LayerState};
 use crate::kernel_abi::{attend_shared_floats, seal_scratch_bytes, KernelBalance, KernelLayerView};
 use crate::GROUP;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -144,6 +142,8 @@ impl DevicePool {
 struct DeviceLayer {
     len: usize,
     sealed: usize,
+    sealed_prev: usize,
+    draining: bool,
     sink_k: CudaSlice<u16>,
     sink_v: CudaSlice<u16>,
     ring: CudaSlice<u8>,
@@ -223,6 +223,8 @@ impl DeviceSequence {
                 Ok(DeviceLayer {
                     len: 0,
                     sealed: 0,
+                    sealed_prev: 0,
+                    draining: false,
                     sink_k: s.alloc_zeros::<u16>(SINK * per_pos)?,
                     sink_v: s.alloc_zeros::<u16>(SINK * per_pos)?,
                     ring: s.alloc_zeros::<u8>(ring_bytes)?,
@@ -276,7 +278,7 @@ impl DeviceSequence {
     /// Tokens the next append to `layer` can take with no seal inside it.
     pub fn chunk_limit(&self, layer: usize) -> CudaResult<usize> {
         let l = self.layer(layer)?;
-        Ok(chunk_limit_at(&self.config, l.len, l.sealed))
+        Ok(self.config.rules().chunk_limit(&l.state()))
     }
 
     /// A child sequence sharing this one's sealed records (reference counted) with its own
@@ -290,6 +292,8 @@ impl DeviceSequence {
                 Ok(DeviceLayer {
                     len: l.len,
                     sealed: l.sealed,
+                    sealed_prev: l.sealed_prev,
+                    draining: l.draining,
                     sink_k: s.clone_dtod(&l.sink_k)?,
                     sink_v: s.clone_dtod(&l.sink_v)?,
                     ring: s.clone_dtod(&l.ring)?,
@@ -313,7 +317,7 @@ impl DeviceSequence {
     fn view(&self, layer: usize) -> KernelLayerView {
         let l = &self.layers[layer];
         let s = &self.pool.stream;
-        let spec = self.config.body_spec(layer);
+        let spec = self.config.layer_coding[layer];
         let codebook = |bits: u32| {
             self.pool
                 .codebooks
@@ -404,8 +408,8 @@ impl DeviceSequence {
         //    seal of this append sealed, and a later seal can still fail (a kernel status,
         //    device memory for its workspace); undoing the seals makes those rows live again, so
         //    keep a copy of the ring when both can happen. Then reserve every slot up front.
-        let plan = plan_append(&cfg, start, sealed0, n);
-        let needed = plan.last().map_or(sealed0, |&(_, t)| t) - sealed0;
+        let plan = cfg.rules().plan_append(self.layers[layer].state(), n);
+        let needed = plan.last().map_or(sealed0, |c| c.state.sealed) - sealed0;
         let undo = LayerUndo::take(&self.layers[layer], s, plan.len() > 1 && needed > 0)?;
         let mut slots = pool.slots.reserve(needed)?;
         slots.reverse(); // taken from the back, in reservation order
@@ -437,7 +441,7 @@ impl DeviceSequence {
         &mut self,
         layer: usize,
         start: usize,
-        plan: &[(usize, usize)],
+        plan: &[Chunk],
         slots: &mut Vec<SlotId>,
         staged: &CudaSlice<u8>,
         sink_out: &CudaSlice<u16>,
@@ -451,7 +455,8 @@ impl DeviceSequence {
         let per_tok = h * d;
         let ring_rows = cfg.ring_rows();
         let mut written = 0usize;
-        for &(take, target) in plan {
+        for c in plan {
+            let (take, target) = (c.take, c.state.sealed);
             let from = self.layers[layer].sealed;
             if target > from {
                 let at = slots.len() - (target - from);
@@ -463,6 +468,8 @@ impl DeviceSequence {
             }
             let (lo, hi) = (start + written, start + written + take);
             let l = &mut self.layers[layer];
+            l.sealed_prev = c.state.sealed_prev;
+            l.draining = c.state.draining;
             // Sink positions.
             if lo < SINK {
                 let (a, b) = (lo, hi.min(SINK));
@@ -580,10 +587,23 @@ impl DeviceSequence {
         Ok(())
     }
 
-    /// Seals every layer back to `min_tail` unsealed tokens (between requests).
-    pub fn seal_idle(&mut self) -> CudaResult<()> {
-        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
-        let plan = seal_idle_plan(&self.config, &lens);
+    /// The idle step (see the CPU's `Sequence::seal_idle`): seals every layer back to
+    /// `min_tail` unsealed tokens, never the last `max(keep_recent, min_tail)` positions.
+    pub fn seal_idle(&mut self, keep_recent: usize) -> CudaResult<()> {
+        let rules = self.config.rules();
+        let states: Vec<LayerState> = self
+            .layers
+            .iter()
+            .map(|l| rules.idle(l.state(), keep_recent))
+            .collect();
+        let plan: Vec<(usize, usize, usize)> = self
+            .layers
+            .iter()
+            .zip(&states)
+            .enumerate()
+            .filter(|(_, (l, st))| st.sealed > l.sealed)
+            .map(|(i, (l, st))| (i, l.sealed, st.sealed))
+            .collect();
         let pool = self.pool.clone();
         let mut slots = pool
             .slots
@@ -609,6 +629,10 @@ impl DeviceSequence {
                 }
                 return Err(e);
             }
+        }
+        for (l, st) in self.layers.iter_mut().zip(states) {
+            l.sealed_prev = st.sealed_prev;
+            l.draining = st.draining;
         }
         Ok(())
     }
@@ -733,23 +757,24 @@ impl DeviceSequence {
         Ok(s.clone_dtoh(&out)?)
     }
 
-    /// Keeps the first `n` tokens of every layer; returns `reprocess_from` as the CPU does.
+    /// Keeps the first `n` tokens of every layer; returns the resume position as the CPU does
+    /// (the journal rules decide both).
     pub fn truncate(&mut self, n: usize) -> CudaResult<usize> {
-        let mut reprocess = n;
+        let rules = self.config.rules();
+        let mut reprocess = usize::MAX;
         let s = self.pool.stream.clone();
         for l in self.layers.iter_mut() {
-            if n >= l.len {
-                continue;
-            }
-            let (len, sealed) = truncated_state(&self.config, l.len, l.sealed, n);
-            if sealed < l.sealed {
-                let dropped = l.blocks.split_off(sealed);
+            let (st, resume) = rules.truncate(l.state(), n);
+            if st.sealed < l.sealed {
+                let dropped = l.blocks.split_off(st.sealed);
                 self.pool.slots.release(&dropped);
-                l.sealed = sealed;
                 upload_blocks(&s, l)?;
             }
-            l.len = len;
-            reprocess = reprocess.min(len);
+            l.len = st.len;
+            l.sealed = st.sealed;
+            l.sealed_prev = st.sealed_prev;
+            l.draining = st.draining;
+            reprocess = reprocess.min(resume);
         }
         Ok(reprocess)
     }
@@ -776,6 +801,8 @@ impl DeviceSequence {
             images.push(LayerImage {
                 len: l.len,
                 sealed: l.sealed,
+                sealed_prev: l.sealed_prev,
+                draining: l.draining,
                 sink_k: s.clone_dtoh(&l.sink_k)?,
                 sink_v: s.clone_dtoh(&l.sink_v)?,
                 ring: s.clone_dtoh(&l.ring)?,
@@ -808,6 +835,8 @@ impl DeviceSequence {
             }
             l.len = img.len;
             l.sealed = img.sealed;
+            l.sealed_prev = img.sealed_prev;
+            l.draining = img.draining;
             upload_blocks(&s, l)?;
         }
         s.synchronize()?;
@@ -820,6 +849,8 @@ impl DeviceSequence {
 struct LayerUndo {
     len: usize,
     sealed: usize,
+    sealed_prev: usize,
+    draining: bool,
     blocks: usize,
     ring: Option<CudaSlice<u8>>,
 }
@@ -829,6 +860,8 @@ impl LayerUndo {
         Ok(Self {
             len: l.len,
             sealed: l.sealed,
+            sealed_prev: l.sealed_prev,
+            draining: l.draining,
             blocks: l.blocks.len(),
             ring: if keep_ring {
                 Some(s.clone_dtod(&l.ring)?)
@@ -845,10 +878,23 @@ impl LayerUndo {
         pool.slots.release(&added);
         l.len = self.len;
         l.sealed = self.sealed;
+        l.sealed_prev = self.sealed_prev;
+        l.draining = self.draining;
         if let Some(ring) = self.ring {
             pool.stream.memcpy_dtod(&ring, &mut l.ring)?;
         }
         Ok(())
+    }
+}
+
+impl DeviceLayer {
+    fn state(&self) -> LayerState {
+        LayerState {
+            len: self.len,
+            sealed: self.sealed,
+            sealed_prev: self.sealed_prev,
+            draining: self.draining,
+        }
     }
 }
 
