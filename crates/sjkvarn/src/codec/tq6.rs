@@ -185,9 +185,7 @@ mod tests {
 
     #[test]
     fn blocks_of_64_keep_the_norm() {
-        let x: Vec<f32> = (0..64)
-            .map(|i| ((i * 29 % 17) as f32 - 8.0) * 0.1)
-            .collect();
+        let x: Vec<f32> = (0..64).map(|i| ((i * 29 % 17) as f32 - 8.0) * 0.1).collect();
         let mut out = [0u8; BLOCK64_BYTES];
         encode_block64(&x, &mut out);
         let mut y = [0f32; 64];
@@ -195,10 +193,6 @@ mod tests {
         let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>().sqrt();
         assert!((n(&x) - n(&y)).abs() < 2e-3 * n(&x));
         let err: f32 = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum();
-        assert!(
-            err < 1e-3 * n(&x).powi(2),
-            "relative error {}",
-            err / n(&x).powi(2)
-        );
+        assert!(err < 1e-3 * n(&x).powi(2), "relative error {}", err / n(&x).powi(2));
     }
 }
