@@ -1,7 +1,7 @@
 // sjkvarn kernels: append (rotate + stage), seal (one SJ-KVaRN record per block: balance + scalar
 // rounding or Viterbi), decode/prefill attention (split-K over sink + body + ring, rotated frame)
-// and the split merge. Each kernel only computes its
-// pointers and calls a lane function from the headers, which the host tests run on the CPU.
+// and the split merge. Each kernel only computes its pointers and calls a lane function from the
+// headers, which the host tests run on the CPU.
 #include "sj_attention.cuh"
 #include "sj_common.cuh"
 #include "sj_hadamard.cuh"
