@@ -1,65 +1,45 @@
 // One-pass attention over sink + body records + ring for one query row and one KV head, over a
-// range of 128-position cache blocks (a split of flash-decoding). The same arithmetic as
-// `crates/sjkvarn/src/cache/attention.rs`: body records are read in the absorbed-scale form,
-// rotated-frame and model-frame value sums are kept apart and meet after the merge.
+// range of 128-position cache blocks (a split of flash-decoding). Everything is in the rotated
+// frame: the sink and the ring hold rotated rows, records decode to rotated rows
+// (`codec::Decoder::k_row` / `v_row`), and the queries are rotated once; the merged output is
+// un-rotated once. Body records are read in the absorbed-scale form:
+//   logit[t] = Ktok[t] * (sum_d (q[d] * Kscale[d]) * qK[t,d] + sum_d q[d] * Kzero[d])
+//   out[d]  += Vch[d] * (sum_t (w[t] * Vscale[t]) * qV[t,d] + sum_t w[t] * Vzero[t])
+// with qK/qV the integer code (scalar) or the codebook value at the trellis window.
 #pragma once
 #include "sj_common.cuh"
 #include "sj_hadamard.cuh"
 #include "sj_layer.cuh"
-#include "sj_seal.cuh"
 #include "sj_staging.cuh"
 
-// Trellis decoder output at step `t` of a tail-biting run of `n` codes (random access).
-SJ_HD float sj_trellis_value_at(const float* codebook, int bits, const sj_u8* run, int n, int t) {
-    int window = (6 + bits + bits - 1) / bits;
-    sj_u32 idx = 0;
-    for (int j = 0; j < window; ++j) {
-        sj_u32 u = sj_code_at(run, (sj_u32)bits, (sj_u32)((t + n * 4 - j) % n));
-        idx |= u << (j * bits);
-    }
-    return codebook[idx & ((1u << (6 + bits)) - 1u)];
-}
+// Channels of the query-times-scale scratch processed at once.
+#define SJ_QA_CHUNK 256
 
-// Unit value at tile[i][j] (rows x cols) of a packed code tile in one of the three layouts.
-SJ_HD float sj_tile_unit(const sj_u8* packed, int bits, int coding, const float* codebook, int rows,
-                         int cols, int i, int j) {
-    if (coding == SJ_CODING_SCALAR) return (float)sj_code_at(packed, (sj_u32)bits, (sj_u32)(i * cols + j));
-    int run, len, pos;
-    if (coding == SJ_RUNS_ALONG_ROWS) {
-        run = i; len = cols; pos = j;
-    } else {
-        run = j; len = rows; pos = i;
-    }
-    const sj_u8* start = packed + (sj_u64)run * (sj_u64)len * (sj_u64)bits / 8u;
-    return sj_trellis_value_at(codebook, bits, start, len, pos);
-}
-
-// Softmax state of one query head: running max, sum and the two value accumulators.
+// Softmax state of one query head: running max, sum and the (rotated) value accumulator.
 struct SjSoftmaxState {
-    float* max;        // [gs]
-    float* sum;        // [gs]
-    float* acc_plain;  // [gs][head_dim]
-    float* acc_rot;    // [gs][head_dim]
+    float* max;  // [gs]
+    float* sum;  // [gs]
+    float* acc;  // [gs][head_dim]
 };
 
 // Lane-shared scratch of the attention block loop.
 struct SjAttendScratch {
     float* logits;   // [gs][GROUP] (weights after the softmax step)
-    float* qa;       // [gs][256]
+    float* qa;       // [gs][SJ_QA_CHUNK]
     float* offset;   // [gs]
     float* rescale;  // [gs]
     float* weight_a; // [gs][GROUP]
-    float* step;     // [2][GROUP][4]: tq6_0 block scale of each ring row (K, V)
+    float* step;     // [2][GROUP][4]: tq6_0 block norms of each ring row (K, V)
 };
 
-SJ_HD int sj_attend_scratch_floats(int gs) { return gs * (2 * SJ_GROUP + 256 + 2) + 8 * SJ_GROUP; }
+SJ_HD int sj_attend_scratch_floats(int gs) { return gs * (2 * SJ_GROUP + SJ_QA_CHUNK + 2) + 8 * SJ_GROUP; }
 
 SJ_HD SjAttendScratch sj_attend_scratch(float* base, int gs) {
     SjAttendScratch s;
     s.logits = base;
     s.weight_a = base + gs * SJ_GROUP;
     s.qa = base + 2 * gs * SJ_GROUP;
-    s.offset = s.qa + gs * 256;
+    s.offset = s.qa + gs * SJ_QA_CHUNK;
     s.rescale = s.offset + gs;
     s.step = s.rescale + gs;
     return s;
@@ -70,10 +50,7 @@ SJ_HD void sj_softmax_init_lanes(SjSoftmaxState st, int gs, int d, int tid, int 
         st.max[j] = -SJ_INF_F;
         st.sum[j] = 0.0f;
     }
-    for (int e = tid; e < gs * d; e += nthreads) {
-        st.acc_plain[e] = 0.0f;
-        st.acc_rot[e] = 0.0f;
-    }
+    for (int e = tid; e < gs * d; e += nthreads) st.acc[e] = 0.0f;
     SJ_SYNC();
 }
 
@@ -98,50 +75,49 @@ SJ_HD void sj_softmax_fold_lanes(SjSoftmaxState st, SjAttendScratch s, int gs, i
     }
     SJ_SYNC();
     for (int e = tid; e < gs * d; e += nthreads) {
-        float r = s.rescale[e / d];
-        st.acc_plain[e] *= r;
-        st.acc_rot[e] *= r;
+        st.acc[e] *= s.rescale[e / d];
     }
     SJ_SYNC();
 }
 
-// Per-row tq6_0 block scales of ring rows [first, first + rows) of head h, K then V, so the
+// Per-row tq6_0 block norms of ring rows [first, first + rows) of head h, K then V, so the
 // inner loops do one table lookup and one multiply per value.
-SJ_HD void sj_ring_steps_lanes(const SjLayerView v, int h, int first, int rows, float* step,
+SJ_HD void sj_ring_steps_lanes(const SjLayerView& v, int h, int first, int rows, float* step,
                                int tid, int nthreads) {
-    if (v.staging == SJ_STAGING_F16) return;
+    if (v.staging != SJ_STAGING_TQ6) return;
     int len = sj_tq_block_len(v.head_dim);
     int blocks = v.head_dim / len;
     for (int e = tid; e < 2 * rows; e += nthreads) {
         int value = e / rows, t = e % rows;
         const sj_u8* row = sj_ring_row(v, first + t, h, value);
         for (int b = 0; b < blocks; ++b) {
-            float norm = sj_f16_to_f32(sj_load_u16_le(row + b * sj_tq_block_bytes(len)));
-            step[(value * SJ_GROUP + t) * 4 + b] = norm / sqrtf((float)len);
+            step[(value * SJ_GROUP + t) * 4 + b] =
+                sj_f16_to_f32(sj_load_u16_le(row + b * sj_tq_block_bytes(len)));
         }
     }
     SJ_SYNC();
 }
 
-// Ring value `c` of a row whose block scales are in `step` (see sj_ring_steps_lanes).
-SJ_HD float sj_ring_value_fast(const SjLayerView v, const sj_u8* row, const float* step, int c) {
-    if (v.staging == SJ_STAGING_F16) return sj_f16_to_f32(sj_load_u16_le(row + 2 * c));
+// Ring value `c` of a row whose tq6_0 block norms are in `step` (see sj_ring_steps_lanes):
+// `centroid[code] * norm`, as `codec::tq6::decode_block`.
+SJ_HD float sj_ring_value_fast(const SjLayerView& v, const sj_u8* row, const float* step, int c) {
+    if (v.staging != SJ_STAGING_TQ6) return sj_ring_value(v, row, c);
     int len = sj_tq_block_len(v.head_dim);
     int b = c / len;
-    sj_u32 code = sj_code_at(row + b * sj_tq_block_bytes(len) + 2, SJ_TQ_BITS, (sj_u32)(c - b * len));
-    return step[b] * v.tq_table[code];
+    return v.tq_table[sj_tq_code(row + b * sj_tq_block_bytes(len), len, c - b * len)] * step[b];
 }
 
-// Folds cache blocks [b0, b1) of KV head `h` into the state of query row at position `qpos`.
-// `q_plain`/`q_rot` are the GS query heads of this KV head, [GS][head_dim]. GS is a template
-// parameter so the per-head partial sums stay in registers.
+// Folds cache blocks [b0, b1) of KV head `h` into the state of the query row at position
+// `qpos`. `q_rot` holds the GS rotated query heads of this KV head, [GS][head_dim]. GS is a
+// template parameter so the per-head partial sums stay in registers.
 template <int GS>
-SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_plain,
-                                  const float* q_rot, int qpos, float scale, int b0, int b1,
-                                  SjSoftmaxState st, SjAttendScratch s, int tid, int nthreads) {
+SJ_HD void sj_attend_blocks_lanes(const SjLayerView& v, int h, const float* q_rot, int qpos,
+                                  float scale, int b0, int b1, SjSoftmaxState st,
+                                  SjAttendScratch s, int tid, int nthreads) {
     const int gs = GS;
     int d = v.head_dim;
     int rstart = sj_ring_start(v);
+    const SjRecordLayout& l = v.rec;
     for (int b = b0; b < b1; ++b) {
         int first, rows, kind;  // kind: 0 sink, 1 body, 2 ring
         if (b == 0) {
@@ -156,50 +132,46 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
         int visible = qpos + 1 - first;
         if (visible <= 0) continue;  // causal: the whole block lies after this query
         if (visible > rows) visible = rows;
-        const sj_u8* record = 0;
+        const sj_u8* rec = 0;
         if (kind == 1) {
-            record = v.pool + (sj_u64)v.blocks[b - 1] * v.slot_bytes + (sj_u64)h * (sj_u64)v.rec.record_bytes;
+            rec = v.pool + (sj_u64)v.blocks[b - 1] * v.slot_bytes + (sj_u64)h * (sj_u64)l.bytes;
         }
 
         // 1. Logits.
         if (kind == 1) {
             for (int e = tid; e < gs * visible; e += nthreads) s.logits[e / visible * SJ_GROUP + e % visible] = 0.0f;
+            for (int j = tid; j < gs; j += nthreads) {
+                float off = 0.0f;
+                for (int c = 0; c < d; ++c) off += q_rot[j * d + c] * sj_rec_half(rec, l.k_zero + 2 * sj_k_slot(l, c));
+                s.offset[j] = off;
+            }
             SJ_SYNC();
-            int r = v.rec.width;
-            for (int half = 0; half < v.rec.halves; ++half) {
-                const sj_u8* sub = record + half * v.rec.sub_bytes;
-                const sj_u8* kcodes = sub;
-                const sj_u8* meta = sub + v.rec.k_code_bytes + v.rec.v_code_bytes;
-                const sj_u8* a_k = meta;
-                const sj_u8* z_k = meta + 2 * r;
-                const sj_u8* s_k = meta + 4 * r;
-                for (int e = tid; e < gs * r; e += nthreads) {
-                    int j = e / r, c = e % r;
-                    s.qa[j * 256 + c] = q_rot[j * d + half * r + c] * sj_f16_to_f32(sj_load_u16_le(a_k + 2 * c));
-                }
-                for (int j = tid; j < gs; j += nthreads) {
-                    float off = 0.0f;
-                    for (int c = 0; c < r; ++c) off += q_rot[j * d + half * r + c] * sj_f16_to_f32(sj_load_u16_le(z_k + 2 * c));
-                    s.offset[j] = off;
+            for (int c0 = 0; c0 < d; c0 += SJ_QA_CHUNK) {
+                int cw = d - c0 < SJ_QA_CHUNK ? d - c0 : SJ_QA_CHUNK;
+                for (int e = tid; e < gs * cw; e += nthreads) {
+                    int j = e / cw, c = e % cw;
+                    s.qa[j * SJ_QA_CHUNK + c] =
+                        q_rot[j * d + c0 + c] * sj_rec_half(rec, l.k_scale + 2 * sj_k_slot(l, c0 + c));
                 }
                 SJ_SYNC();
                 for (int t = tid; t < visible; t += nthreads) {
                     float part[GS];
                     SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
-                    for (int c = 0; c < r; ++c) {
-                        float u = sj_tile_unit(kcodes, v.rec.k_bits, v.k_coding, v.k_codebook, r, SJ_GROUP, c, t);
-                        SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.qa[j * 256 + c] * u;
+                    for (int c = 0; c < cw; ++c) {
+                        float u = sj_record_q(l, rec, v.k_codebook, t, c0 + c, 0);
+                        SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.qa[j * SJ_QA_CHUNK + c] * u;
                     }
-                    float sk = sj_f16_to_f32(sj_load_u16_le(s_k + 2 * t));
-                    SJ_UNROLL for (int j = 0; j < GS; ++j) s.logits[j * SJ_GROUP + t] += sk * (part[j] + s.offset[j]);
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) s.logits[j * SJ_GROUP + t] += part[j];
                 }
                 SJ_SYNC();
             }
-            for (int e = tid; e < gs * visible; e += nthreads) s.logits[e / visible * SJ_GROUP + e % visible] *= scale;
+            for (int e = tid; e < gs * visible; e += nthreads) {
+                int j = e / visible, t = e % visible;
+                float tok = sj_rec_half(rec, l.k_tok + 2 * t);
+                s.logits[j * SJ_GROUP + t] = tok * (s.logits[j * SJ_GROUP + t] + s.offset[j]) * scale;
+            }
         } else {
-            bool rotated = kind == 2 && v.staging != SJ_STAGING_F16;
-            const float* q = rotated ? q_rot : q_plain;
-            if (rotated) sj_ring_steps_lanes(v, h, first, visible, s.step, tid, nthreads);
+            if (kind == 2) sj_ring_steps_lanes(v, h, first, visible, s.step, tid, nthreads);
             for (int t = tid; t < visible; t += nthreads) {
                 float part[GS];
                 SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
@@ -208,7 +180,7 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
                 for (int c = 0; c < d; ++c) {
                     float kv = kind == 0 ? sj_f16_to_f32(v.sink_k[((sj_u64)pos * v.kv_heads + h) * d + c])
                                          : sj_ring_value_fast(v, row, s.step + t * 4, c);
-                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += q[j * d + c] * kv;
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += q_rot[j * d + c] * kv;
                 }
                 SJ_UNROLL for (int j = 0; j < GS; ++j) s.logits[j * SJ_GROUP + t] = part[j] * scale;
             }
@@ -220,39 +192,28 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
 
         // 3. Values.
         if (kind == 1) {
-            int r = v.rec.width;
-            for (int half = 0; half < v.rec.halves; ++half) {
-                const sj_u8* sub = record + half * v.rec.sub_bytes;
-                const sj_u8* vcodes = sub + v.rec.k_code_bytes;
-                const sj_u8* meta = sub + v.rec.k_code_bytes + v.rec.v_code_bytes;
-                const sj_u8* a_v = meta + 2 * (2 * r + SJ_GROUP);  // after a_k, z_k, s_k
-                const sj_u8* z_v = a_v + 2 * SJ_GROUP;
-                const sj_u8* s_v = z_v + 2 * SJ_GROUP;
-                for (int e = tid; e < gs * visible; e += nthreads) {
-                    int j = e / visible, t = e % visible;
-                    s.weight_a[j * SJ_GROUP + t] = s.logits[j * SJ_GROUP + t] * sj_f16_to_f32(sj_load_u16_le(a_v + 2 * t));
-                }
-                for (int j = tid; j < gs; j += nthreads) {
-                    float off = 0.0f;
-                    for (int t = 0; t < visible; ++t) off += s.logits[j * SJ_GROUP + t] * sj_f16_to_f32(sj_load_u16_le(z_v + 2 * t));
-                    s.offset[j] = off;
-                }
-                SJ_SYNC();
-                for (int c = tid; c < r; c += nthreads) {
-                    float part[GS];
-                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
-                    for (int t = 0; t < visible; ++t) {
-                        float u = sj_tile_unit(vcodes, v.rec.v_bits, v.v_coding, v.v_codebook, SJ_GROUP, r, t, c);
-                        SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.weight_a[j * SJ_GROUP + t] * u;
-                    }
-                    float sv = sj_f16_to_f32(sj_load_u16_le(s_v + 2 * c));
-                    SJ_UNROLL for (int j = 0; j < GS; ++j) st.acc_rot[j * d + half * r + c] += sv * (part[j] + s.offset[j]);
-                }
-                SJ_SYNC();
+            for (int e = tid; e < gs * visible; e += nthreads) {
+                int j = e / visible, t = e % visible;
+                s.weight_a[j * SJ_GROUP + t] = s.logits[j * SJ_GROUP + t] * sj_rec_half(rec, l.v_scale + 2 * t);
             }
+            for (int j = tid; j < gs; j += nthreads) {
+                float off = 0.0f;
+                for (int t = 0; t < visible; ++t) off += s.logits[j * SJ_GROUP + t] * sj_rec_half(rec, l.v_zero + 2 * t);
+                s.offset[j] = off;
+            }
+            SJ_SYNC();
+            for (int c = tid; c < d; c += nthreads) {
+                float part[GS];
+                SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
+                for (int t = 0; t < visible; ++t) {
+                    float u = sj_record_q(l, rec, v.v_codebook, t, c, 1);
+                    SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.weight_a[j * SJ_GROUP + t] * u;
+                }
+                float ch = sj_rec_half(rec, l.v_ch + 2 * sj_v_slot(l, c));
+                SJ_UNROLL for (int j = 0; j < GS; ++j) st.acc[j * d + c] += ch * (part[j] + s.offset[j]);
+            }
+            SJ_SYNC();
         } else {
-            bool rotated = kind == 2 && v.staging != SJ_STAGING_F16;
-            float* acc = rotated ? st.acc_rot : st.acc_plain;
             for (int c = tid; c < d; c += nthreads) {
                 float part[GS];
                 SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] = 0.0f;
@@ -263,7 +224,7 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
                                                               s.step + (SJ_GROUP + t) * 4, c);
                     SJ_UNROLL for (int j = 0; j < GS; ++j) part[j] += s.logits[j * SJ_GROUP + t] * vv;
                 }
-                SJ_UNROLL for (int j = 0; j < GS; ++j) acc[j * d + c] += part[j];
+                SJ_UNROLL for (int j = 0; j < GS; ++j) st.acc[j * d + c] += part[j];
             }
             SJ_SYNC();
         }
@@ -273,12 +234,12 @@ SJ_HD void sj_attend_blocks_lanes(const SjLayerView v, int h, const float* q_pla
 // The whole body of `sj_attend_gs{GS}` for block (KV head h, split, query row i): rotates the
 // row's GS queries into `smem` (GS * head_dim floats, followed by sj_attend_scratch_floats(GS)),
 // then folds the split's cache blocks into its partial state in pmax/psum [rows][splits][q_heads]
-// and pplain/prot [rows][splits][q_heads][head_dim].
+// and pacc [rows][splits][q_heads][head_dim] (rotated frame).
 template <int GS>
-SJ_HD void sj_attend_split_lanes(const SjLayerView view, const float* q, int q_heads, int base,
+SJ_HD void sj_attend_split_lanes(const SjLayerView& view, const float* q, int q_heads, int base,
                                  float scale, int blocks_per_split, int h, int split, int splits,
-                                 int i, float* pmax, float* psum, float* pplain, float* prot,
-                                 float* smem, int tid, int nthreads) {
+                                 int i, float* pmax, float* psum, float* pacc, float* smem,
+                                 int tid, int nthreads) {
     int d = view.head_dim;
     float* q_rot = smem;
     SjAttendScratch s = sj_attend_scratch(smem + GS * d, GS);
@@ -290,22 +251,21 @@ SJ_HD void sj_attend_split_lanes(const SjLayerView view, const float* q, int q_h
     SjSoftmaxState st;
     st.max = pmax + head0;
     st.sum = psum + head0;
-    st.acc_plain = pplain + head0 * d;
-    st.acc_rot = prot + head0 * d;
+    st.acc = pacc + head0 * d;
     sj_softmax_init_lanes(st, GS, d, tid, nthreads);
     int nb = sj_cache_blocks(view);
     int b0 = split * blocks_per_split;
     int b1 = b0 + blocks_per_split < nb ? b0 + blocks_per_split : nb;
-    sj_attend_blocks_lanes<GS>(view, h, q_plain, q_rot, base + i, scale, b0, b1, st, s, tid,
-                               nthreads);
+    sj_attend_blocks_lanes<GS>(view, h, q_rot, base + i, scale, b0, b1, st, s, tid, nthreads);
 }
 
 // Merges `splits` partial states of one query head and writes the normalised output in the
-// model frame. Split `s` of this head is at `max[s * stride]` and `acc[s * stride * head_dim]`;
-// `work` is lane-shared scratch of head_dim floats.
-SJ_HD void sj_merge_lanes(const float* max, const float* sum, const float* acc_plain,
-                          const float* acc_rot, int splits, int stride, int head_dim, float* work,
-                          float* out, int tid, int nthreads) {
+// model frame (the merged rotated sum un-rotated once). Split `s` of this head is at
+// `max[s * stride]` and `acc[s * stride * head_dim]`; `work` is lane-shared scratch of head_dim
+// floats.
+SJ_HD void sj_merge_lanes(const float* max, const float* sum, const float* acc, int splits,
+                          int stride, int head_dim, float* work, float* out, int tid,
+                          int nthreads) {
     float m = -SJ_INF_F;
     for (int s = 0; s < splits; ++s) m = fmaxf(m, max[s * stride]);
     float total = 0.0f;
@@ -313,20 +273,17 @@ SJ_HD void sj_merge_lanes(const float* max, const float* sum, const float* acc_p
         if (max[s * stride] != -SJ_INF_F) total += sum[s * stride] * expf(max[s * stride] - m);
     }
     for (int c = tid; c < head_dim; c += nthreads) {
-        float rot = 0.0f, plain = 0.0f;
+        float rot = 0.0f;
         for (int s = 0; s < splits; ++s) {
             if (max[s * stride] == -SJ_INF_F) continue;
             float w = expf(max[s * stride] - m);
-            sj_u64 at = (sj_u64)s * (sj_u64)stride * (sj_u64)head_dim + (sj_u64)c;
-            rot += acc_rot[at] * w;
-            plain += acc_plain[at] * w;
+            rot += acc[(sj_u64)s * (sj_u64)stride * (sj_u64)head_dim + (sj_u64)c] * w;
         }
         work[c] = rot;
-        out[c] = plain;
     }
     SJ_SYNC();
     sj_rotate_head_lanes(work, head_dim, tid, nthreads);
     float inv = 1.0f / total;
-    for (int c = tid; c < head_dim; c += nthreads) out[c] = (work[c] + out[c]) * inv;
+    for (int c = tid; c < head_dim; c += nthreads) out[c] = work[c] * inv;
     SJ_SYNC();
 }

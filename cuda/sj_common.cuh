@@ -81,7 +81,8 @@ SJ_HD sj_u16 sj_f32_to_f16(float f) {
     sj_u32 exp = (x >> 23) & 0xffu;
     sj_u32 man = x & 0x7fffffu;
     if (exp == 0xffu) {
-        return (sj_u16)(sign | 0x7c00u | (man ? (0x0200u | (man >> 13)) : 0u));
+        // NaN is stored as the quiet pattern 0x7E00 with the input's sign (`codec::fp16`).
+        return (sj_u16)(sign | (man ? 0x7e00u : 0x7c00u));
     }
     int e = (int)exp - 127 + 15;
     if (e >= 31) return (sj_u16)(sign | 0x7c00u);
@@ -164,18 +165,17 @@ SJ_HD void sj_pack_lanes(const sj_u8* codes, sj_u32 n, sj_u32 bits, sj_u8* out, 
     }
 }
 
-// Index of the nearest centroid of an ascending table: the same binary search on f32 midpoints
-// as the Rust reference, so ties break identically.
-SJ_HD sj_u32 sj_nearest_index(const float* table, sj_u32 n, float x) {
-    sj_u32 lo = 0, hi = n - 1;
-    while (lo < hi) {
-        sj_u32 mid = (lo + hi) / 2;
-        float midpoint = 0.5f * (table[mid] + table[mid + 1]);
-        if (x > midpoint) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo;
+// The reference's min/max: `b < a ? b : a` and `a < b ? b : a` (first argument on ties and
+// NaN), as `codec::balance::{min_f32, max_f32}`.
+SJ_HD float sj_minf(float a, float b) { return b < a ? b : a; }
+SJ_HD float sj_maxf(float a, float b) { return a < b ? b : a; }
+SJ_HD double sj_mind(double a, double b) { return b < a ? b : a; }
+SJ_HD double sj_maxd(double a, double b) { return a < b ? b : a; }
+
+// `bits` bits (<= 8) at bit offset `bit` of an LSB-first stream (`codec::layout::unpack`).
+SJ_HD sj_u32 sj_unpack_bits(const sj_u8* stream, sj_u32 bit, sj_u32 bits) {
+    sj_u32 byte = bit >> 3, shift = bit & 7u;
+    sj_u32 w = stream[byte];
+    if (shift + bits > 8u) w |= (sj_u32)stream[byte + 1] << 8;
+    return (w >> shift) & ((1u << bits) - 1u);
 }

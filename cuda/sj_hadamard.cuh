@@ -1,11 +1,9 @@
-// Orthonormal Walsh-Hadamard rotation (Sylvester order), the same butterflies as
-// `crates/sjkvarn/src/hadamard.rs`: every output is the same sequence of f32 adds, so the result
-// is bit-identical whatever the lane count.
+// The SJ-KVaRN rotation: the orthonormal Sylvester-Hadamard transform over the whole head, the
+// same butterflies as `codec::rotation` (strides 1, 2, 4, ... then one multiply by
+// `1.0f / sqrtf(n)`): every output is the same sequence of f32 operations, so the result is
+// bit-identical whatever the lane count. A 512-wide head is one 512-point transform.
 #pragma once
 #include "sj_common.cuh"
-
-// Rotation length for a head: the head itself up to 256, 256-wide halves for 512.
-SJ_HD int sj_rotation_size(int head_dim) { return head_dim > 256 ? 256 : head_dim; }
 
 // In-place transform of `x[0..n)` (n a power of two) with lanes working on disjoint butterflies.
 SJ_HD void sj_fwht_lanes(float* x, int n, int tid, int nthreads) {
@@ -25,8 +23,7 @@ SJ_HD void sj_fwht_lanes(float* x, int n, int tid, int nthreads) {
     SJ_SYNC();
 }
 
-// Rotates one head vector of `head_dim` values (two halves for 512).
+// Rotates (or un-rotates: the transform is its own inverse) one head vector.
 SJ_HD void sj_rotate_head_lanes(float* x, int head_dim, int tid, int nthreads) {
-    int r = sj_rotation_size(head_dim);
-    for (int c0 = 0; c0 < head_dim; c0 += r) sj_fwht_lanes(x + c0, r, tid, nthreads);
+    sj_fwht_lanes(x, head_dim, tid, nthreads);
 }

@@ -3,15 +3,16 @@
 #include <vector>
 
 #include "sj_attention.cuh"
+#include "sj_seal.cuh"
 
 template <int GS>
 static void attend_head(const SjLayerView& view, const float* q, int q_heads, int base, float scale,
                         int splits, int blocks_per_split, int i, int h, float* pmax, float* psum,
-                        float* pplain, float* prot) {
+                        float* pacc) {
     std::vector<float> smem(GS * view.head_dim + sj_attend_scratch_floats(GS));
     for (int split = 0; split < splits; ++split) {
         sj_attend_split_lanes<GS>(view, q, q_heads, base, scale, blocks_per_split, h, split,
-                                  splits, i, pmax, psum, pplain, prot, smem.data(), 0, 1);
+                                  splits, i, pmax, psum, pacc, smem.data(), 0, 1);
     }
 }
 
@@ -26,26 +27,52 @@ void sj_host_pack(const sj_u8* codes, sj_u32 n, sj_u32 bits, sj_u8* out) {
 
 void sj_host_fwht(float* x, int n) { sj_fwht_lanes(x, n, 0, 1); }
 
-// sj_append_stage for one ring row: `row` (model frame, modified) -> staged bytes.
-int sj_host_stage_row(float* row, int head_dim, const float* table, sj_u8* out) {
+// The ring half of sj_append_stage: `row` (model frame, rotated in place) -> tq6_0 bytes.
+int sj_host_stage_row(float* row, int head_dim, const float* tables, sj_u8* out) {
     sj_u8 codes[128];
-    double norm_slot[2];
-    return sj_stage_row_lanes(row, head_dim, table, codes, norm_slot, out, 0, 1);
+    float slot[2];
+    return sj_stage_row_lanes(row, head_dim, tables, codes, slot, out, 0, 1);
 }
 
-// sj_seal for every half of group `g`, KV head `h`: writes one record (record_bytes).
-int sj_host_seal_group(const SjLayerView* view, int g, int h, const SjBalanceSettings* cfg,
-                       sj_u8* out) {
-    int r = view->rec.width;
-    std::vector<sj_u8> scratch(sj_seal_scratch_bytes(r) + 256);
-    int status = SJ_OK;
-    for (int half = 0; half < view->rec.halves; ++half) {
-        SjSealScratch s = sj_seal_scratch(scratch.data(), r);
-        int st = sj_seal_group_half_lanes(*view, g, h, half, *cfg, s,
-                                          out + half * view->rec.sub_bytes, 0, 1);
-        if (st != SJ_OK) status = st;
-    }
-    return status;
+// tq6_0 coding of an already rotated row.
+int sj_host_tq_row(const float* row, int head_dim, const float* tables, sj_u8* out) {
+    sj_u8 codes[128];
+    float slot[2];
+    return sj_tq_row_lanes(row, head_dim, tables, codes, slot, out, 0, 1);
+}
+
+float sj_host_tq_row_value(const sj_u8* row, int head_dim, const float* tables, int c) {
+    return sj_tq_row_value(row, head_dim, tables, c);
+}
+
+void sj_host_record_layout(int head_dim, int bits_k, int bits_v, int body, SjRecordLayout* out) {
+    *out = sj_record_layout(head_dim, bits_k, bits_v, body);
+}
+
+int sj_host_code_bit(const SjRecordLayout* l, int t, int d, int is_v) {
+    return sj_code_bit(*l, t, d, is_v);
+}
+int sj_host_k_slot(const SjRecordLayout* l, int d) { return sj_k_slot(*l, d); }
+int sj_host_v_slot(const SjRecordLayout* l, int d) { return sj_v_slot(*l, d); }
+
+float sj_host_record_q(const SjRecordLayout* l, const sj_u8* rec, const float* cb, int t, int d,
+                       int is_v) {
+    return sj_record_q(*l, rec, cb, t, d, is_v);
+}
+
+// sj_seal's record seal on explicit fp16 rows (row t at t * stride).
+int sj_host_seal_record(const SjRecordLayout* l, const sj_u16* k, const sj_u16* v, int stride,
+                        int iters, const float* cb_k, const float* cb_v, sj_u8* out) {
+    std::vector<sj_u8> scratch(sj_seal_scratch_bytes(l->head_dim) + 64);
+    SjSealScratch s = sj_seal_scratch(scratch.data(), l->head_dim);
+    return sj_seal_record_lanes(*l, k, v, stride, iters, cb_k, cb_v, s, out, 0, 1);
+}
+
+// sj_seal for group `g`, KV head `h` of a layer view: gathers from the ring, writes one record.
+int sj_host_seal_group(const SjLayerView* view, int g, int h, int iters, sj_u8* out) {
+    std::vector<sj_u8> scratch(sj_seal_scratch_bytes(view->head_dim) + 64);
+    SjSealScratch s = sj_seal_scratch(scratch.data(), view->head_dim);
+    return sj_seal_group_lanes(*view, g, h, iters, s, out, 0, 1);
 }
 
 // sj_attend_gs* over every (KV head, split, query row) and then sj_attend_merge.
@@ -58,13 +85,13 @@ int sj_host_attend(const SjLayerView* view, const float* q, int rows, int q_head
     int per = (nb + splits - 1) / splits;
     if (per < 1) per = 1;
     sj_u64 states = (sj_u64)rows * splits * q_heads;
-    std::vector<float> pmax(states), psum(states), pplain(states * d), prot(states * d);
+    std::vector<float> pmax(states), psum(states), pacc(states * d);
     for (int i = 0; i < rows; ++i) {
         for (int h = 0; h < view->kv_heads; ++h) {
 #define SJ_HOST_GS(G)                                                                          \
     case G:                                                                                    \
         attend_head<G>(*view, q, q_heads, base, scale, splits, per, i, h, pmax.data(),         \
-                       psum.data(), pplain.data(), prot.data());                               \
+                       psum.data(), pacc.data());                                              \
         break;
             switch (gs) {
                 SJ_HOST_GS(1) SJ_HOST_GS(2) SJ_HOST_GS(3) SJ_HOST_GS(4) SJ_HOST_GS(5)
@@ -78,9 +105,8 @@ int sj_host_attend(const SjLayerView* view, const float* q, int rows, int q_head
     for (int i = 0; i < rows; ++i) {
         for (int head = 0; head < q_heads; ++head) {
             sj_u64 at = (sj_u64)i * splits * q_heads + head;
-            sj_merge_lanes(pmax.data() + at, psum.data() + at, pplain.data() + at * d,
-                           prot.data() + at * d, splits, q_heads, d, work.data(),
-                           out + ((sj_u64)i * q_heads + head) * d, 0, 1);
+            sj_merge_lanes(pmax.data() + at, psum.data() + at, pacc.data() + at * d, splits,
+                           q_heads, d, work.data(), out + ((sj_u64)i * q_heads + head) * d, 0, 1);
         }
     }
     return 0;
@@ -88,8 +114,6 @@ int sj_host_attend(const SjLayerView* view, const float* q, int rows, int q_head
 
 int sj_host_sizeof_view(void) { return (int)sizeof(SjLayerView); }
 int sj_host_sizeof_record_layout(void) { return (int)sizeof(SjRecordLayout); }
-int sj_host_sizeof_balance(void) { return (int)sizeof(SjBalanceSettings); }
-int sj_host_seal_scratch_bytes(int width) { return (int)sj_seal_scratch_bytes(width); }
+int sj_host_seal_scratch_bytes(int head_dim) { return (int)sj_seal_scratch_bytes(head_dim); }
+int sj_host_attend_scratch_floats(int gs) { return sj_attend_scratch_floats(gs); }
 }
-
-extern "C" int sj_host_attend_scratch_floats(int gs) { return sj_attend_scratch_floats(gs); }

@@ -1,12 +1,12 @@
 //! Host builds of the CUDA kernels' lane functions (`cuda/*.cuh`), for testing them against the
-//! Rust reference on machines without a GPU. Each wrapper runs the same code a kernel block runs,
-//! with one lane.
+//! Rust reference (`sjkvarn::codec`) on machines without a GPU. Each wrapper runs the same code a
+//! kernel block runs, with one lane.
 
-use sjkvarn::cache::{CacheConfig, LayerImage};
-use sjkvarn::kernel_abi::{KernelBalance, KernelLayerView};
+use sjkvarn::codec::{Body, RecordLayout};
+use sjkvarn::kernel_abi::{codebook_f32, tq6_tables, KernelLayerView, KernelRecordLayout};
 
 mod ffi {
-    use sjkvarn::kernel_abi::{KernelBalance, KernelLayerView};
+    use sjkvarn::kernel_abi::{KernelLayerView, KernelRecordLayout};
     extern "C" {
         pub fn sj_host_f32_to_f16(x: f32) -> u16;
         pub fn sj_host_f16_to_f32(h: u16) -> f32;
@@ -15,14 +15,55 @@ mod ffi {
         pub fn sj_host_stage_row(
             row: *mut f32,
             head_dim: i32,
-            table: *const f32,
+            tables: *const f32,
+            out: *mut u8,
+        ) -> i32;
+        pub fn sj_host_tq_row(
+            row: *const f32,
+            head_dim: i32,
+            tables: *const f32,
+            out: *mut u8,
+        ) -> i32;
+        pub fn sj_host_tq_row_value(
+            row: *const u8,
+            head_dim: i32,
+            tables: *const f32,
+            c: i32,
+        ) -> f32;
+        pub fn sj_host_record_layout(
+            head_dim: i32,
+            bits_k: i32,
+            bits_v: i32,
+            body: i32,
+            out: *mut KernelRecordLayout,
+        );
+        pub fn sj_host_code_bit(l: *const KernelRecordLayout, t: i32, d: i32, is_v: i32) -> i32;
+        pub fn sj_host_k_slot(l: *const KernelRecordLayout, d: i32) -> i32;
+        pub fn sj_host_v_slot(l: *const KernelRecordLayout, d: i32) -> i32;
+        pub fn sj_host_record_q(
+            l: *const KernelRecordLayout,
+            rec: *const u8,
+            cb: *const f32,
+            t: i32,
+            d: i32,
+            is_v: i32,
+        ) -> f32;
+        #[allow(clippy::too_many_arguments)]
+        pub fn sj_host_seal_record(
+            l: *const KernelRecordLayout,
+            k: *const u16,
+            v: *const u16,
+            stride: i32,
+            iters: i32,
+            cb_k: *const f32,
+            cb_v: *const f32,
             out: *mut u8,
         ) -> i32;
         pub fn sj_host_seal_group(
             view: *const KernelLayerView,
             g: i32,
             h: i32,
-            cfg: *const KernelBalance,
+            iters: i32,
             out: *mut u8,
         ) -> i32;
         #[allow(clippy::too_many_arguments)]
@@ -38,8 +79,7 @@ mod ffi {
         ) -> i32;
         pub fn sj_host_sizeof_view() -> i32;
         pub fn sj_host_sizeof_record_layout() -> i32;
-        pub fn sj_host_sizeof_balance() -> i32;
-        pub fn sj_host_seal_scratch_bytes(width: i32) -> i32;
+        pub fn sj_host_seal_scratch_bytes(head_dim: i32) -> i32;
         pub fn sj_host_attend_scratch_floats(gs: i32) -> i32;
     }
 }
@@ -56,10 +96,10 @@ pub fn f16_to_f32(h: u16) -> f32 {
     unsafe { ffi::sj_host_f16_to_f32(h) }
 }
 
-/// `sj_pack_lanes` into a new buffer.
+/// `sj_pack_lanes` (LSB-first stream order) into a new buffer.
 pub fn pack(codes: &[u8], bits: u32) -> Vec<u8> {
-    let mut out = vec![0u8; sjkvarn::bitpack::packed_len(codes.len(), bits)];
-    // SAFETY: `out` holds packed_len(n, bits) bytes, which is all the function writes.
+    let mut out = vec![0u8; (codes.len() * bits as usize).div_ceil(8)];
+    // SAFETY: `out` holds ceil(n * bits / 8) bytes, which is all the function writes.
     unsafe { ffi::sj_host_pack(codes.as_ptr(), codes.len() as u32, bits, out.as_mut_ptr()) };
     out
 }
@@ -71,74 +111,262 @@ pub fn fwht(x: &mut [f32]) {
     unsafe { ffi::sj_host_fwht(x.as_mut_ptr(), x.len() as i32) };
 }
 
-/// `sj_stage_row_lanes`: rotates a model-frame row and codes it as a tq6_0 ring row.
+/// Bytes of one staged `tq6_0` row of `d` values.
+pub fn tq_row_bytes(d: usize) -> usize {
+    sjkvarn::codec::tq6::row_bytes(d)
+}
+
+fn check_head_dim(d: usize) {
+    assert!([64, 128, 256, 512].contains(&d), "head_dim {d}");
+}
+
+/// `sj_stage_row_lanes`: rotates a model-frame row and codes it as a `tq6_0` ring row.
 pub fn stage_row(row: &[f32]) -> (Vec<u8>, i32) {
     let d = row.len();
-    let codec = sjkvarn::cache::staging::RowCodec::new(sjkvarn::cache::Staging::Tq6, d);
-    let mut out = vec![0u8; codec.row_bytes()];
+    check_head_dim(d);
+    let mut out = vec![0u8; tq_row_bytes(d)];
     let mut work = row.to_vec();
-    let table = sjkvarn::lloyd_max::gaussian_table(6).expect("6-bit table ships");
-    // SAFETY: `work` holds head_dim floats, `out` the row's bytes, `table` 64 floats.
+    let tables = tq6_tables(d);
+    // SAFETY: `work` holds head_dim floats, `out` the row's bytes, `tables` 127 floats.
     let status = unsafe {
         ffi::sj_host_stage_row(
             work.as_mut_ptr(),
             d as i32,
-            table.as_ptr(),
+            tables.as_ptr(),
             out.as_mut_ptr(),
         )
     };
     (out, status)
 }
 
-/// A layer image with the view the kernels would get over it (addresses into the image).
-pub struct HostLayer<'a> {
-    pub view: KernelLayerView,
-    _image: &'a LayerImage,
-    _blocks: Vec<u32>,
+/// `sj_tq_row_lanes`: codes an already rotated row as a `tq6_0` ring row.
+pub fn tq_row(row: &[f32]) -> (Vec<u8>, i32) {
+    let d = row.len();
+    check_head_dim(d);
+    let mut out = vec![0u8; tq_row_bytes(d)];
+    let tables = tq6_tables(d);
+    // SAFETY: `row` holds head_dim floats, `out` the row's bytes, `tables` 127 floats.
+    let status =
+        unsafe { ffi::sj_host_tq_row(row.as_ptr(), d as i32, tables.as_ptr(), out.as_mut_ptr()) };
+    (out, status)
 }
 
-impl<'a> HostLayer<'a> {
-    pub fn new(config: &CacheConfig, layer: usize, image: &'a LayerImage) -> Self {
-        let spec = config.body_spec(layer);
-        let blocks: Vec<u32> = (0..image.sealed as u32).collect();
-        let mut view = KernelLayerView::describe(config, layer, image.len, image.sealed);
-        let codebook = |bits: u32, coded: bool| {
-            if coded {
-                sjkvarn::trellis::shipped(bits)
-                    .map(|cb| cb.values().as_ptr() as u64)
-                    .unwrap_or(0)
-            } else {
-                0
-            }
+/// `sj_tq_row_value` for every value of a staged row.
+pub fn tq_row_values(row: &[u8], d: usize) -> Vec<f32> {
+    check_head_dim(d);
+    assert_eq!(row.len(), tq_row_bytes(d));
+    let tables = tq6_tables(d);
+    (0..d)
+        // SAFETY: `row` holds one staged row of `d` values; `c < d`.
+        .map(|c| unsafe {
+            ffi::sj_host_tq_row_value(row.as_ptr(), d as i32, tables.as_ptr(), c as i32)
+        })
+        .collect()
+}
+
+/// `sj_record_layout` as the C code computes it.
+pub fn c_record_layout(
+    head_dim: usize,
+    bits_k: u32,
+    bits_v: u32,
+    body: Body,
+) -> KernelRecordLayout {
+    let mut out = KernelRecordLayout::default();
+    // SAFETY: writes one struct.
+    unsafe {
+        ffi::sj_host_record_layout(
+            head_dim as i32,
+            bits_k as i32,
+            bits_v as i32,
+            body as i32,
+            &mut out,
+        )
+    };
+    out
+}
+
+/// `sj_code_bit`, `sj_k_slot`, `sj_v_slot` of a layout.
+pub fn c_code_bit(l: &KernelRecordLayout, t: usize, d: usize, is_v: bool) -> usize {
+    // SAFETY: pure function of the layout.
+    unsafe { ffi::sj_host_code_bit(l, t as i32, d as i32, is_v as i32) as usize }
+}
+pub fn c_k_slot(l: &KernelRecordLayout, d: usize) -> usize {
+    // SAFETY: pure function of the layout.
+    unsafe { ffi::sj_host_k_slot(l, d as i32) as usize }
+}
+pub fn c_v_slot(l: &KernelRecordLayout, d: usize) -> usize {
+    // SAFETY: pure function of the layout.
+    unsafe { ffi::sj_host_v_slot(l, d as i32) as usize }
+}
+
+/// The f32 codebooks of a layout's sides (empty for scalar bodies).
+fn codebooks(l: &RecordLayout) -> [Vec<f32>; 2] {
+    if l.body == Body::Trellis {
+        [codebook_f32(l.bits_k, false), codebook_f32(l.bits_v, true)]
+    } else {
+        [Vec::new(), Vec::new()]
+    }
+}
+
+fn ptr_or_null(v: &[f32]) -> *const f32 {
+    if v.is_empty() {
+        std::ptr::null()
+    } else {
+        v.as_ptr()
+    }
+}
+
+/// `sj_record_q`: the code value of token `t`, channel `d` of a record.
+pub fn record_q(l: &RecordLayout, rec: &[u8], t: usize, d: usize, is_v: bool) -> f32 {
+    assert!(rec.len() == l.bytes && t < l.group && d < l.head_dim);
+    let k = KernelRecordLayout::of(l);
+    let cb = codebooks(l);
+    // SAFETY: `rec` holds one record of layout `l`, `cb` the side's codebook for trellis bodies.
+    unsafe {
+        ffi::sj_host_record_q(
+            &k,
+            rec.as_ptr(),
+            ptr_or_null(&cb[is_v as usize]),
+            t as i32,
+            d as i32,
+            is_v as i32,
+        )
+    }
+}
+
+/// `sj_seal_record_lanes`: seals 128 rotated fp16 rows of K and V (row `t` at `t * stride`).
+pub fn seal_record(
+    l: &RecordLayout,
+    k: &[u16],
+    v: &[u16],
+    stride: usize,
+    iters: u32,
+) -> (Vec<u8>, i32) {
+    let need = (l.group - 1) * stride + l.head_dim;
+    assert!(stride >= l.head_dim && k.len() >= need && v.len() >= need);
+    let kl = KernelRecordLayout::of(l);
+    let cb = codebooks(l);
+    let mut out = vec![0u8; l.bytes];
+    // SAFETY: the rows cover every index the seal reads (checked above), `out` holds one
+    // record, the codebooks are the layout's (or null for scalar bodies, never read).
+    let status = unsafe {
+        ffi::sj_host_seal_record(
+            &kl,
+            k.as_ptr(),
+            v.as_ptr(),
+            stride as i32,
+            iters as i32,
+            ptr_or_null(&cb[0]),
+            ptr_or_null(&cb[1]),
+            out.as_mut_ptr(),
+        )
+    };
+    (out, status)
+}
+
+/// The bytes of one layer of one sequence as the device keeps them, built by the caller (the
+/// tests build them from `sjkvarn::codec` pieces). Records of sealed group `g` are in pool slot
+/// `g` (`kv_heads` records per slot).
+#[derive(Debug, Clone)]
+pub struct LayerBytes {
+    pub layout: RecordLayout,
+    pub kv_heads: usize,
+    pub len: usize,
+    pub sealed: usize,
+    /// `kernel_abi::STAGING_*`.
+    pub staging: i32,
+    pub row_bytes: usize,
+    pub ring_rows: usize,
+    /// `[128][kv_heads][head_dim]` rotated fp16.
+    pub sink_k: Vec<u16>,
+    pub sink_v: Vec<u16>,
+    /// `[ring_rows][kv_heads][2][row_bytes]`.
+    pub ring: Vec<u8>,
+    /// `[sealed][kv_heads][record bytes]`.
+    pub pool: Vec<u8>,
+}
+
+/// A layer's bytes with the view the kernels would get over them (addresses into the buffers,
+/// which this struct owns and never resizes).
+pub struct HostLayer {
+    view: KernelLayerView,
+    bytes: LayerBytes,
+    _blocks: Vec<u32>,
+    _tables: Vec<f32>,
+    _cb: [Vec<f32>; 2],
+}
+
+impl HostLayer {
+    pub fn new(bytes: LayerBytes) -> Self {
+        let l = bytes.layout;
+        let d = l.head_dim;
+        check_head_dim(d);
+        assert_eq!(bytes.sink_k.len(), 128 * bytes.kv_heads * d);
+        assert_eq!(bytes.sink_v.len(), bytes.sink_k.len());
+        assert_eq!(
+            bytes.ring.len(),
+            bytes.ring_rows * bytes.kv_heads * 2 * bytes.row_bytes
+        );
+        assert_eq!(bytes.pool.len(), bytes.sealed * bytes.kv_heads * l.bytes);
+        assert!(bytes.len <= 128 + 128 * bytes.sealed + bytes.ring_rows);
+        let blocks: Vec<u32> = (0..bytes.sealed as u32).collect();
+        let tables = tq6_tables(d);
+        let cb = codebooks(&l);
+        let addr = |p: *const f32| p as u64;
+        let view = KernelLayerView {
+            sink_k: bytes.sink_k.as_ptr() as u64,
+            sink_v: bytes.sink_v.as_ptr() as u64,
+            ring: bytes.ring.as_ptr() as u64,
+            pool: bytes.pool.as_ptr() as u64,
+            blocks: blocks.as_ptr() as u64,
+            tq_table: tables.as_ptr() as u64,
+            k_codebook: addr(ptr_or_null(&cb[0])),
+            v_codebook: addr(ptr_or_null(&cb[1])),
+            slot_bytes: (bytes.kv_heads * l.bytes) as u64,
+            len: bytes.len as i32,
+            sealed: bytes.sealed as i32,
+            kv_heads: bytes.kv_heads as i32,
+            head_dim: d as i32,
+            ring_rows: bytes.ring_rows as i32,
+            row_bytes: bytes.row_bytes as i32,
+            staging: bytes.staging,
+            pad: 0,
+            rec: KernelRecordLayout::of(&l),
         };
-        view.sink_k = image.sink_k.as_ptr() as u64;
-        view.sink_v = image.sink_v.as_ptr() as u64;
-        view.ring = image.ring.as_ptr() as u64;
-        view.pool = image.records.as_ptr() as u64;
-        view.blocks = blocks.as_ptr() as u64;
-        view.tq_table = sjkvarn::lloyd_max::gaussian_table(6)
-            .expect("6-bit table ships")
-            .as_ptr() as u64;
-        view.k_codebook = codebook(spec.k_bits, view.k_coding != 0);
-        view.v_codebook = codebook(spec.v_bits, view.v_coding != 0);
         Self {
             view,
-            _image: image,
+            bytes,
             _blocks: blocks,
+            _tables: tables,
+            _cb: cb,
         }
     }
 
-    /// `sj_seal` for every half of group `g`, KV head `h`: the group must still be in
-    /// the ring (not sealed yet, every token appended).
-    pub fn seal_group(&self, g: usize, h: usize, balance: &KernelBalance) -> (Vec<u8>, i32) {
-        let in_ring = g >= self.view.sealed as usize
-            && sjkvarn::cache::SINK + (g + 1) * sjkvarn::GROUP <= self.view.len as usize;
-        assert!(in_ring && h < self.view.kv_heads as usize);
-        let mut out = vec![0u8; self.view.rec.record_bytes as usize];
-        // SAFETY: the view points into the borrowed image and `_blocks`, which outlive the call;
-        // the group's ring rows lie inside the ring; `out` holds one record.
+    pub fn view(&self) -> &KernelLayerView {
+        &self.view
+    }
+
+    pub fn bytes(&self) -> &LayerBytes {
+        &self.bytes
+    }
+
+    /// `sj_seal` for group `g`, KV head `h`: the group's rows must be in the ring (positions
+    /// `128 + 128 g ..` below `len`).
+    pub fn seal_group(&self, g: usize, h: usize, iters: u32) -> (Vec<u8>, i32) {
+        assert!(128 + (g + 1) * 128 <= self.bytes.len && h < self.bytes.kv_heads);
+        assert!(g >= self.bytes.sealed);
+        let mut out = vec![0u8; self.bytes.layout.bytes];
+        // SAFETY: the view points into buffers this struct owns; the group's ring rows lie
+        // inside the ring (ring_rows >= the unsealed span, checked in `new`); `out` holds one
+        // record.
         let status = unsafe {
-            ffi::sj_host_seal_group(&self.view, g as i32, h as i32, balance, out.as_mut_ptr())
+            ffi::sj_host_seal_group(
+                &self.view,
+                g as i32,
+                h as i32,
+                iters as i32,
+                out.as_mut_ptr(),
+            )
         };
         (out, status)
     }
@@ -149,9 +377,12 @@ impl<'a> HostLayer<'a> {
         let d = self.view.head_dim as usize;
         let rows = q.len() / (q_heads * d);
         assert!(rows >= 1 && rows <= self.view.len as usize && splits >= 1);
+        assert_eq!(q.len(), rows * q_heads * d);
+        assert_eq!(q_heads % self.bytes.kv_heads, 0);
         let mut out = vec![0.0f32; q.len()];
         let base = self.view.len - rows as i32;
-        // SAFETY: the view points into live host buffers; q and out hold rows*q_heads*d floats.
+        // SAFETY: the view points into buffers this struct owns; q and out hold
+        // rows * q_heads * d floats.
         let rc = unsafe {
             ffi::sj_host_attend(
                 &self.view,
@@ -168,22 +399,21 @@ impl<'a> HostLayer<'a> {
     }
 }
 
-/// Sizes of the C structs (view, record layout, balance settings).
-pub fn c_struct_sizes() -> (usize, usize, usize) {
+/// Sizes of the C structs (view, record layout).
+pub fn c_struct_sizes() -> (usize, usize) {
     // SAFETY: constant functions.
     unsafe {
         (
             ffi::sj_host_sizeof_view() as usize,
             ffi::sj_host_sizeof_record_layout() as usize,
-            ffi::sj_host_sizeof_balance() as usize,
         )
     }
 }
 
-/// `sj_seal_scratch_bytes(width)` as the C compiler computes it.
-pub fn c_seal_scratch_bytes(width: usize) -> usize {
+/// `sj_seal_scratch_bytes(head_dim)` as the C compiler computes it.
+pub fn c_seal_scratch_bytes(head_dim: usize) -> usize {
     // SAFETY: pure function.
-    unsafe { ffi::sj_host_seal_scratch_bytes(width as i32) as usize }
+    unsafe { ffi::sj_host_seal_scratch_bytes(head_dim as i32) as usize }
 }
 
 /// `sj_attend_scratch_floats(gs)` as the C compiler computes it.

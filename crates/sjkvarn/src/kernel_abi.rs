@@ -1,26 +1,43 @@
-//! The data the CUDA kernels take, laid out exactly as the C structs in `cuda/sj_layer.cuh` and
-//! `cuda/sj_seal.cuh`, and the kernel source text with its headers inlined.
+//! The data the CUDA kernels take, laid out exactly as the C structs in `cuda/sj_layer.cuh`,
+//! and the kernel source text with its headers inlined.
 //!
 //! Nothing here needs CUDA: the host tests (`crates/sjkvarn-cuda-host`) build the same structs
 //! over host memory and run the kernels' lane functions on the CPU, and the `cuda` feature fills
-//! them with device addresses.
+//! them with device addresses. The device backend implements the SJ-KVaRN reference bodies only
+//! ([`device_layout`]).
 
-use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
-use crate::body::{BodyCoding, BodySpec, TrellisAxis};
-use crate::cache::{CacheConfig, Staging};
+use crate::codec::codebooks::{TQ6_CENTROIDS, TQ6_MIDPOINTS};
+use crate::codec::{Body, RecordLayout, GROUP};
 
-/// Mirrors `SjRecordLayout`.
+/// `SJ_STAGING_*`: how ring rows are staged (all in the rotated frame).
+pub const STAGING_TQ6: i32 = 0;
+/// ggml `q8_0` blocks (read by attention and the seal's gather; not produced by the kernels).
+pub const STAGING_Q8_0: i32 = 1;
+pub const STAGING_F16: i32 = 2;
+
+/// Mirrors `SjRecordLayout`: the byte offsets of [`RecordLayout`] plus the fragment flags.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KernelRecordLayout {
-    pub width: i32,
-    pub halves: i32,
-    pub k_bits: i32,
-    pub v_bits: i32,
-    pub k_code_bytes: i32,
-    pub v_code_bytes: i32,
-    pub sub_bytes: i32,
-    pub record_bytes: i32,
+    pub head_dim: i32,
+    pub group: i32,
+    pub bits_k: i32,
+    pub bits_v: i32,
+    /// `SJ_BODY_SCALAR` (0) or `SJ_BODY_TRELLIS` (1).
+    pub body: i32,
+    pub k_frag: i32,
+    pub v_frag: i32,
+    pub pad0: i32,
+    pub k_payload: i32,
+    pub v_payload: i32,
+    pub k_scale: i32,
+    pub k_zero: i32,
+    pub k_tok: i32,
+    pub v_ch: i32,
+    pub v_scale: i32,
+    pub v_zero: i32,
+    pub bytes: i32,
+    pub pad1: i32,
 }
 
 /// Mirrors `SjLayerView`: one layer of one sequence; addresses are device (or, in the host
@@ -28,12 +45,18 @@ pub struct KernelRecordLayout {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KernelLayerView {
+    /// `[SINK][kv_heads][head_dim]` rotated fp16.
     pub sink_k: u64,
     pub sink_v: u64,
+    /// `[ring_rows][kv_heads][2][row_bytes]` rotated staged rows.
     pub ring: u64,
+    /// Slot-major record arena; the record of KV head `h` at `h * rec.bytes` in its slot.
     pub pool: u64,
+    /// Slot of each sealed group (`u32`).
     pub blocks: u64,
+    /// [`tq6_tables`] of the head's block size (127 `f32`).
     pub tq_table: u64,
+    /// [`codebook_f32`] of each side (trellis bodies), else 0.
     pub k_codebook: u64,
     pub v_codebook: u64,
     pub slot_bytes: u64,
@@ -44,134 +67,109 @@ pub struct KernelLayerView {
     pub ring_rows: i32,
     pub row_bytes: i32,
     pub staging: i32,
-    pub k_coding: i32,
-    pub v_coding: i32,
+    pub pad: i32,
     pub rec: KernelRecordLayout,
 }
 
-/// Mirrors `SjBalanceSettings`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KernelBalance {
-    pub passes: i32,
-    pub mode: i32,
-    pub stat: i32,
-}
-
-/// `SJ_STAGING_*` codes.
-pub fn staging_code(staging: Staging) -> Option<i32> {
-    match staging {
-        Staging::Tq6 => Some(0),
-        Staging::F16 => Some(2),
-        Staging::Q8_0 => None,
-    }
-}
-
-/// `SJ_CODING_SCALAR` / `SJ_RUNS_ALONG_ROWS` / `SJ_RUNS_ALONG_COLS` for the K (`is_key`) or V
-/// tile; the same mapping as `TileLayout::of` in `body.rs`.
-pub fn coding_code(coding: BodyCoding, is_key: bool) -> i32 {
-    match (coding, is_key) {
-        (BodyCoding::Scalar, _) => 0,
-        (BodyCoding::Trellis(TrellisAxis::Token), true) => 1,
-        (BodyCoding::Trellis(TrellisAxis::Token), false) => 2,
-        (BodyCoding::Trellis(TrellisAxis::Channel), true) => 2,
-        (BodyCoding::Trellis(TrellisAxis::Channel), false) => 1,
-        // No kernel codes RoPE-block keys; the device path refuses such layers up front.
-        (BodyCoding::RopeBlocks, _) => -1,
-    }
-}
-
 impl KernelRecordLayout {
-    pub fn of(spec: &BodySpec) -> Self {
-        let width = spec.width();
-        let halves = spec.half_count();
-        let code = |bits: u32| crate::bitpack::packed_len(width * crate::GROUP, bits) as i32;
-        let sub = spec.record_bytes() / halves;
+    pub fn of(l: &RecordLayout) -> Self {
+        let i = |v: usize| v as i32;
         Self {
-            width: width as i32,
-            halves: halves as i32,
-            k_bits: spec.k_bits as i32,
-            v_bits: spec.v_bits as i32,
-            k_code_bytes: code(spec.k_bits),
-            v_code_bytes: code(spec.v_bits),
-            sub_bytes: sub as i32,
-            record_bytes: spec.record_bytes() as i32,
+            head_dim: i(l.head_dim),
+            group: i(l.group),
+            bits_k: l.bits_k as i32,
+            bits_v: l.bits_v as i32,
+            body: l.body as i32,
+            k_frag: l.fragment_order(false) as i32,
+            v_frag: l.fragment_order(true) as i32,
+            pad0: 0,
+            k_payload: i(l.k_payload),
+            v_payload: i(l.v_payload),
+            k_scale: i(l.k_scale),
+            k_zero: i(l.k_zero),
+            k_tok: i(l.k_tok),
+            v_ch: i(l.v_ch),
+            v_scale: i(l.v_scale),
+            v_zero: i(l.v_zero),
+            bytes: i(l.bytes),
+            pad1: 0,
         }
     }
 }
 
-impl KernelLayerView {
-    /// The geometry part of a layer's view (every address left 0 for the caller to fill).
-    pub fn describe(config: &CacheConfig, layer: usize, len: usize, sealed: usize) -> Self {
-        let lc = config.layer_coding[layer];
-        let spec = crate::body::BodySpec::new(config.head_dim, lc.k_bits, lc.v_bits)
-            .and_then(|s| s.with_coding(lc.k_coding, lc.v_coding))
-            .expect("validated configuration");
-        let rows = crate::cache::staging::RowCodec::new(config.staging, config.head_dim);
-        Self {
-            slot_bytes: config.slot_bytes() as u64,
-            len: len as i32,
-            sealed: sealed as i32,
-            kv_heads: config.kv_heads as i32,
-            head_dim: config.head_dim as i32,
-            ring_rows: config.ring_rows() as i32,
-            row_bytes: rows.row_bytes() as i32,
-            staging: staging_code(config.staging).unwrap_or(-1),
-            k_coding: coding_code(spec.k_coding, true),
-            v_coding: coding_code(spec.v_coding, false),
-            rec: KernelRecordLayout::of(&spec),
-            ..Self::default()
-        }
+/// The record layout the device backend uses for a layer, or why it has none: the reference
+/// bodies only (scalar 2..4 bits per side; trellis 3/3, 3/2, 2/2), group 128, head_dim 64
+/// (the sjkvarn 64-wide extension), 128, 256 or 512.
+pub fn device_layout(
+    head_dim: usize,
+    bits_k: u32,
+    bits_v: u32,
+    body: Body,
+) -> Result<RecordLayout, String> {
+    if ![64, 128, 256, 512].contains(&head_dim) {
+        return Err(format!(
+            "head_dim {head_dim} (the device kernels support 64, 128, 256 and 512)"
+        ));
     }
+    RecordLayout::new(head_dim, GROUP, bits_k, bits_v, body).map_err(|e| {
+        format!(
+            "{bits_k}/{bits_v}-bit {} body: {e} (the device kernels support scalar 2..4 bits \
+             per side and trellis 3/3, 3/2, 2/2)",
+            body.name()
+        )
+    })
 }
 
-impl KernelBalance {
-    pub fn of(config: &BalanceConfig) -> Self {
-        Self {
-            passes: config.passes as i32,
-            mode: match config.mode {
-                BalanceMode::Final => 0,
-                BalanceMode::Best => 1,
-            },
-            stat: match config.stat {
-                BalanceStat::Std => 0,
-                BalanceStat::Rms => 1,
-            },
+/// The `tq6_0` tables the kernels take for rows of `head_dim` values: 64 centroids then 63
+/// midpoints of the block size (128, or 64 for 64-wide heads: the tables times sqrt 2 in f32,
+/// exactly as `codec::tq6` scales them).
+pub fn tq6_tables(head_dim: usize) -> Vec<f32> {
+    let scale = |v: f32| {
+        if head_dim == 64 {
+            v * std::f32::consts::SQRT_2
+        } else {
+            v
         }
-    }
+    };
+    TQ6_CENTROIDS
+        .iter()
+        .chain(TQ6_MIDPOINTS.iter())
+        .map(|&v| scale(v))
+        .collect()
 }
 
-/// `sj_viterbi_scratch_bytes`: metrics, origins, carried metrics, flags, choices.
-fn viterbi_scratch_bytes(n: usize) -> usize {
-    2 * 64 * 4 + 2 * 64 * 4 + 64 * 4 + 16 + n * 64
+/// A side's trellis codebook as the kernels read it (`2^(6 + bits)` f32).
+pub fn codebook_f32(bits: u32, is_v: bool) -> Vec<f32> {
+    crate::codec::trellis::codebook_f32(bits, is_v)
 }
 
-/// `sj_trellis_scratch_bytes`.
-fn trellis_scratch_bytes(rows: usize, cols: usize, groups: usize) -> usize {
-    let run = rows.max(cols);
-    let v = viterbi_scratch_bytes(run).div_ceil(16) * 16;
-    rows * cols * 4 + rows * 8 + groups * (v + run * 4) + 64
-}
-
-/// Viterbi lane groups per seal block (`SJ_SEAL_GROUPS`).
+/// Trellis lane groups per seal block (`SJ_SEAL_GROUPS`).
 const SEAL_GROUPS: usize = 4;
+/// `SJ_VITERBI_BYTES`: metrics, targets and choices of one lane group.
+const VITERBI_BYTES: usize = 2 * 64 * 4 + GROUP * 4 + GROUP * 64;
 
-/// Bytes of device scratch one seal block uses (`sj_seal_scratch_bytes` in `sj_seal.cuh`).
-pub fn seal_scratch_bytes(width: usize) -> usize {
-    let big = width.max(crate::GROUP);
-    let doubles = 6 * big + 4 * big + 4;
-    let bytes = 8 * doubles
-        + 4 * 2 * width * crate::GROUP
-        + width * crate::GROUP
-        + 2 * (3 * width + 3 * crate::GROUP)
-        + 16;
-    bytes.div_ceil(256) * 256 + trellis_scratch_bytes(big, big, SEAL_GROUPS).div_ceil(256) * 256
+/// `sj_seal_scratch_bytes(head_dim)`: the scratch of one seal block.
+pub fn seal_scratch_bytes(head_dim: usize) -> usize {
+    let (d, g) = (head_dim, GROUP);
+    let big = d.max(g);
+    2 * 8 * big
+        + 2 * 4 * d * g
+        + 4 * 4 * big
+        + SEAL_GROUPS * VITERBI_BYTES
+        + 16
+        + 2 * 2 * d * g
+        + d * g
+}
+
+/// Device workspace per seal block (the scratch rounded up to 256 bytes, as `sj_seal` strides).
+pub fn seal_workspace_bytes(head_dim: usize) -> usize {
+    seal_scratch_bytes(head_dim).div_ceil(256) * 256
 }
 
 /// Floats of dynamic shared memory per attention block (`GS * head_dim` rotated queries plus
 /// `sj_attend_scratch_floats(GS)`).
 pub fn attend_shared_floats(group: usize, head_dim: usize) -> usize {
-    group * head_dim + group * (2 * crate::GROUP + 256 + 2) + 8 * crate::GROUP
+    group * head_dim + group * (2 * GROUP + 256 + 2) + 8 * GROUP
 }
 
 /// Kernel sources by file name, embedded at build time.
@@ -255,9 +253,33 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_the_c_layout() {
-        // 9 x 8-byte fields, 9 ints, 8-int record layout, padded to 8.
-        assert_eq!(std::mem::size_of::<KernelLayerView>(), 144);
-        assert_eq!(std::mem::size_of::<KernelRecordLayout>(), 32);
-        assert_eq!(std::mem::size_of::<KernelBalance>(), 12);
+        // 9 x 8-byte fields, 8 ints, 18-int record layout.
+        assert_eq!(std::mem::size_of::<KernelLayerView>(), 176);
+        assert_eq!(std::mem::size_of::<KernelRecordLayout>(), 72);
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    #[test]
+    fn device_layouts_are_the_reference_bodies() {
+        for d in [64, 128, 256, 512] {
+            assert!(device_layout(d, 4, 4, Body::Scalar).is_ok());
+            assert!(device_layout(d, 3, 2, Body::Trellis).is_ok());
+        }
+        assert!(device_layout(96, 4, 4, Body::Scalar).is_err());
+        assert!(device_layout(1024, 4, 4, Body::Scalar).is_err());
+        assert!(device_layout(128, 5, 4, Body::Scalar).is_err());
+        assert!(device_layout(128, 4, 3, Body::Trellis).is_err());
+        let l = device_layout(256, 4, 2, Body::Scalar).unwrap();
+        let k = KernelRecordLayout::of(&l);
+        assert_eq!((k.k_frag, k.v_frag, k.bytes as usize), (1, 0, l.bytes));
+        assert_eq!(
+            tq6_tables(64)[0],
+            TQ6_CENTROIDS[0] * std::f32::consts::SQRT_2
+        );
+        assert_eq!(tq6_tables(128)[64], TQ6_MIDPOINTS[0]);
     }
 }

@@ -1,18 +1,16 @@
 //! Compiling the kernels (NVRTC, at first use, cached on disk and per device) and their handles.
 
 use super::{CudaError, CudaResult};
-use crate::kernel_abi::{kernel_source, KernelBalance, KernelLayerView};
+use crate::kernel_abi::{kernel_source, KernelLayerView};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DeviceRepr};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-// SAFETY: both are #[repr(C)] plain data mirroring the C structs the kernels take by value
-// (sizes checked against the C compiler in the host tests).
+// SAFETY: #[repr(C)] plain data mirroring the C struct the kernels take by value (size checked
+// against the C compiler in the host tests).
 unsafe impl DeviceRepr for KernelLayerView {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for KernelBalance {}
 
 /// Architectures CI compiles for and the runtime knows by name.
 pub const KERNEL_ARCHES: [&str; 6] = [

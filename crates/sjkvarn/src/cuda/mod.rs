@@ -3,9 +3,9 @@
 //!
 //! `libcuda` and `libnvrtc` are loaded at run time, so the crate builds and every CPU path runs
 //! on machines with no CUDA at all; [`availability`] says why the backend cannot run there.
-//! The CPU path is the reference: device records are byte-identical to CPU records for scalar
-//! bodies and snapshots cross between the two ([`DeviceSequence::to_host`],
-//! [`DeviceSequence::from_host`]).
+//! The reference is `crate::codec`: the kernels stage rows and seal SJ-KVaRN records
+//! byte-identical to it (checked on the host by `crates/sjkvarn-cuda-host`); only the reference
+//! bodies are supported on the device.
 
 mod kernels;
 mod sequence;

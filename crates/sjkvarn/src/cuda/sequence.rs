@@ -15,7 +15,11 @@ use crate::cache::sequence::{memory_report, regions_at, LayerImage, MemoryReport
 use crate::cache::staging::RowCodec;
 use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
 use crate::journal::{Chunk, LayerState};
-use crate::kernel_abi::{attend_shared_floats, seal_scratch_bytes, KernelBalance, KernelLayerView};
+use crate::codec::{Body, RecordLayout, ITERS};
+use crate::kernel_abi::{
+    attend_shared_floats, codebook_f32, device_layout, seal_workspace_bytes, tq6_tables,
+    KernelLayerView, KernelRecordLayout, STAGING_TQ6,
+};
 use crate::GROUP;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
@@ -33,8 +37,9 @@ pub struct DevicePool {
     /// Slot-major record bytes. Locked only to take its address or copy into a reserved slot;
     /// every access is ordered on the pool's single stream.
     arena: Mutex<CudaSlice<u8>>,
-    tq_table: CudaSlice<f32>,
-    /// Trellis codebooks for 2, 3 and 4 bits (read by attention over trellis records).
+    /// `tq6_0` tables (`kernel_abi::tq6_tables`) for 128-value blocks and for 64-wide heads.
+    tq_tables: [CudaSlice<f32>; 2],
+    /// Trellis codebooks as f32, index `2 * (bits - 2) + is_v` for 2 and 3 bits.
     codebooks: Vec<CudaSlice<f32>>,
     sms: usize,
 }
@@ -50,13 +55,13 @@ impl DevicePool {
         let kernels = Kernels::get(ordinal)?;
         let stream = kernels.ctx.new_stream()?;
         let arena = stream.alloc_zeros::<u8>((slot_bytes * capacity).max(1))?;
-        let table = crate::lloyd_max::gaussian_table(6).expect("the 6-bit table ships");
-        let tq_table = stream.clone_htod(table)?;
-        let codebooks = (2..=4)
-            .map(|b| {
-                let cb = crate::trellis::shipped(b).expect("2..4-bit codebooks ship");
-                Ok(stream.clone_htod(cb.values())?)
-            })
+        let tq_tables = [
+            stream.clone_htod(&tq6_tables(128))?,
+            stream.clone_htod(&tq6_tables(64))?,
+        ];
+        let codebooks = [(2, false), (2, true), (3, false), (3, true)]
+            .iter()
+            .map(|&(b, is_v)| Ok(stream.clone_htod(&codebook_f32(b, is_v))?))
             .collect::<CudaResult<Vec<_>>>()?;
         let sms = kernels
             .ctx
@@ -69,7 +74,7 @@ impl DevicePool {
             kernels,
             stream,
             arena: Mutex::new(arena),
-            tq_table,
+            tq_tables,
             codebooks,
             sms,
         }))
@@ -157,7 +162,28 @@ pub struct DeviceSequence {
     config: Arc<CacheConfig>,
     pool: Arc<DevicePool>,
     rows: RowCodec,
+    /// The SJ-KVaRN record layout of each layer (the device kernels' only format).
+    layouts: Vec<RecordLayout>,
     layers: Vec<DeviceLayer>,
+}
+
+/// The device record layout of a layer's coding: the reference bodies only (scalar or trellis
+/// on both sides; no RoPE-block keys, no 5..8-bit sides, no mixed scalar/trellis records).
+fn layer_layout(config: &CacheConfig, layer: usize) -> CudaResult<RecordLayout> {
+    use crate::body::BodyCoding;
+    let lc = &config.layer_coding[layer];
+    let body = match (lc.k_coding, lc.v_coding) {
+        (BodyCoding::Scalar, BodyCoding::Scalar) => Body::Scalar,
+        (BodyCoding::Trellis(_), BodyCoding::Trellis(_)) => Body::Trellis,
+        (k, v) => {
+            return Err(CudaError::Unsupported(format!(
+                "layer {layer} codes K as {k:?} and V as {v:?}; the device kernels seal \
+                 SJ-KVaRN reference records only (scalar or trellis on both sides)"
+            )))
+        }
+    };
+    device_layout(config.head_dim, lc.k_bits, lc.v_bits, body)
+        .map_err(|e| CudaError::Unsupported(format!("layer {layer}: {e}")))
 }
 
 impl Drop for DeviceSequence {
@@ -191,21 +217,21 @@ impl DeviceSequence {
                 config.staging
             )));
         }
-        if let Some(layer) = config
-            .layer_coding
-            .iter()
-            .position(|lc| lc.k_coding == crate::body::BodyCoding::RopeBlocks)
-        {
-            return Err(CudaError::Unsupported(format!(
-                "layer {layer} uses Block-GTQ (RoPE-block) keys, which run on the CPU only"
-            )));
-        }
+        let layouts = (0..config.layers)
+            .map(|layer| layer_layout(&config, layer))
+            .collect::<CudaResult<Vec<_>>>()?;
         pool.kernels.attend(config.group_size())?;
-        if pool.slot_bytes() < config.slot_bytes() {
+        let need = layouts
+            .iter()
+            .map(|l| l.bytes * config.kv_heads)
+            .max()
+            .unwrap_or(0)
+            .max(config.slot_bytes());
+        if pool.slot_bytes() < need {
             return Err(CacheError::InvalidConfig(format!(
                 "pool slots of {} bytes are smaller than this configuration's {} bytes",
                 pool.slot_bytes(),
-                config.slot_bytes()
+                need
             ))
             .into());
         }
@@ -237,6 +263,7 @@ impl DeviceSequence {
             config,
             pool,
             rows,
+            layouts,
             layers,
         })
     }
@@ -309,6 +336,7 @@ impl DeviceSequence {
             config: self.config.clone(),
             pool: self.pool.clone(),
             rows: self.rows,
+            layouts: self.layouts.clone(),
             layers,
         })
     }
@@ -317,24 +345,37 @@ impl DeviceSequence {
     fn view(&self, layer: usize) -> KernelLayerView {
         let l = &self.layers[layer];
         let s = &self.pool.stream;
-        let spec = self.config.layer_coding[layer];
-        let codebook = |bits: u32| {
+        let rec = &self.layouts[layer];
+        let codebook = |bits: u32, is_v: bool| {
+            if rec.body != Body::Trellis {
+                return 0;
+            }
             self.pool
                 .codebooks
-                .get((bits as usize).wrapping_sub(2))
+                .get(2 * (bits as usize).wrapping_sub(2) + is_v as usize)
                 .map_or(0, |c| dptr(c, s))
         };
-        let mut v = KernelLayerView::describe(&self.config, layer, l.len, l.sealed);
-        v.sink_k = dptr(&l.sink_k, s);
-        v.sink_v = dptr(&l.sink_v, s);
-        v.ring = dptr(&l.ring, s);
-        v.pool = self.pool.arena_ptr();
-        v.blocks = dptr(&l.blocks_dev, s);
-        v.tq_table = dptr(&self.pool.tq_table, s);
-        v.k_codebook = codebook(spec.k_bits);
-        v.v_codebook = codebook(spec.v_bits);
-        v.slot_bytes = self.pool.slot_bytes() as u64;
-        v
+        let d = self.config.head_dim;
+        KernelLayerView {
+            sink_k: dptr(&l.sink_k, s),
+            sink_v: dptr(&l.sink_v, s),
+            ring: dptr(&l.ring, s),
+            pool: self.pool.arena_ptr(),
+            blocks: dptr(&l.blocks_dev, s),
+            tq_table: dptr(&self.pool.tq_tables[(d == 64) as usize], s),
+            k_codebook: codebook(rec.bits_k, false),
+            v_codebook: codebook(rec.bits_v, true),
+            slot_bytes: self.pool.slot_bytes() as u64,
+            len: l.len as i32,
+            sealed: l.sealed as i32,
+            kv_heads: self.config.kv_heads as i32,
+            head_dim: d as i32,
+            ring_rows: self.config.ring_rows() as i32,
+            row_bytes: self.rows.row_bytes() as i32,
+            staging: STAGING_TQ6,
+            pad: 0,
+            rec: KernelRecordLayout::of(rec),
+        }
     }
 
     /// Appends `n` tokens of post-RoPE K and V from device memory (`[n][kv_heads][head_dim]`
@@ -378,6 +419,8 @@ impl DeviceSequence {
         let sink_out = s.alloc_zeros::<u16>((2 * sink_tokens * h * d).max(1))?;
         let status = s.alloc_zeros::<i32>(1)?;
         let (start_i, h_i, d_i, sink_i) = (start as i32, h as i32, d as i32, sink_tokens as i32);
+        let (staging_i, rb_i) = (STAGING_TQ6, rb as i32);
+        let tables = &pool.tq_tables[(d == 64) as usize];
         let mut launch = s.launch_builder(&pool.kernels.append);
         launch
             .arg(&k)
@@ -385,7 +428,9 @@ impl DeviceSequence {
             .arg(&start_i)
             .arg(&h_i)
             .arg(&d_i)
-            .arg(&pool.tq_table)
+            .arg(&staging_i)
+            .arg(&rb_i)
+            .arg(tables)
             .arg(&staged)
             .arg(&sink_out)
             .arg(&sink_i)
@@ -550,12 +595,10 @@ impl DeviceSequence {
         let ids: Vec<u32> = slots.to_vec();
         let groups_dev = s.clone_htod(&groups)?;
         let slots_dev = s.clone_htod(&ids)?;
-        let halves = view.rec.halves as usize;
-        let blocks = count * self.config.kv_heads * halves;
-        let workspace =
-            s.alloc_zeros::<u8>(blocks * seal_scratch_bytes(view.rec.width as usize))?;
+        let blocks = count * self.config.kv_heads;
+        let workspace = s.alloc_zeros::<u8>(blocks * seal_workspace_bytes(self.config.head_dim))?;
         let status = s.alloc_zeros::<i32>(1)?;
-        let balance = KernelBalance::of(&self.config.balance);
+        let iters = ITERS as i32;
         let arena = pool.arena_ptr();
         let mut launch = s.launch_builder(&pool.kernels.seal);
         launch
@@ -563,14 +606,14 @@ impl DeviceSequence {
             .arg(&groups_dev)
             .arg(&slots_dev)
             .arg(&arena)
-            .arg(&balance)
+            .arg(&iters)
             .arg(&workspace)
             .arg(&status);
         // SAFETY: argument list matches `sj_seal`; the workspace holds one scratch per
         // block; slot ids are reserved slots of this arena; the groups' rows are in the ring.
         unsafe {
             launch.launch(LaunchConfig {
-                grid_dim: (count as u32, self.config.kv_heads as u32, halves as u32),
+                grid_dim: (count as u32, self.config.kv_heads as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             })
@@ -678,8 +721,7 @@ impl DeviceSequence {
         let states = n * splits * qh;
         let pmax = s.alloc_zeros::<f32>(states)?;
         let psum = s.alloc_zeros::<f32>(states)?;
-        let pplain = s.alloc_zeros::<f32>(states * d)?;
-        let prot = s.alloc_zeros::<f32>(states * d)?;
+        let pacc = s.alloc_zeros::<f32>(states * d)?;
         let func = pool.kernels.attend(gs)?;
         let smem = (attend_shared_floats(gs, d) * 4) as u32;
         if smem > 48 * 1024 {
@@ -699,8 +741,7 @@ impl DeviceSequence {
             .arg(&per_i)
             .arg(&pmax)
             .arg(&psum)
-            .arg(&pplain)
-            .arg(&prot);
+            .arg(&pacc);
         // SAFETY: argument list matches `sj_attend_gs{gs}`; partial buffers hold
         // rows x splits x q_heads states; the view's buffers belong to this sequence.
         unsafe {
@@ -715,8 +756,7 @@ impl DeviceSequence {
         merge
             .arg(&pmax)
             .arg(&psum)
-            .arg(&pplain)
-            .arg(&prot)
+            .arg(&pacc)
             .arg(&splits_i)
             .arg(&qh_i)
             .arg(&d_i)
