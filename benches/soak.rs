@@ -19,7 +19,7 @@ use sjkvarn::body::BodyCoding;
 use sjkvarn::cache::attention::attend;
 use sjkvarn::cache::staging::RowCodec;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
-use sjkvarn::gtq::{decode_record_model_frame, KeySchedule};
+use sjkvarn::gtq::KeySchedule;
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -128,9 +128,10 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
         if len == 0 {
             continue;
         }
-        // Sink: fp16 of the content, exactly.
+        // Sink: fp16 of the rotated content, exactly.
         let p = rng.next_u64() as usize % len.min(SINK);
-        let (k, _) = content(live.stream, layer, p, 1);
+        let (mut k, _) = content(live.stream, layer, p, 1);
+        sjkvarn::codec::rotation::rotate_heads(&mut k, D).unwrap();
         for h in 0..KV {
             for c in 0..D {
                 let got = half::f16::from_bits(img.sink_k[(p * KV + h) * D + c]);
@@ -147,7 +148,7 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
                     let at = ((idx * KV + h) * 2 + value) * rows.row_bytes();
                     let mut row = vec![0.0f32; D];
                     rows.decode(&img.ring[at..at + rows.row_bytes()], &mut row);
-                    sjkvarn::hadamard::rotate_rows(&mut row, D).unwrap();
+                    sjkvarn::codec::rotation::rotate_heads(&mut row, D).unwrap();
                     let e = rel_err(&row, &want[h * D..(h + 1) * D]);
                     assert!(e < 0.2, "ring position {p}: relative error {e}");
                 }
@@ -156,18 +157,11 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
         // Body: one random sealed group decodes close to its content.
         if img.sealed > 0 {
             let g = rng.next_u64() as usize % img.sealed;
-            let spec = cfg.body_spec(layer);
-            let rb = spec.record_bytes();
+            let codec = cfg.body_codec(layer);
+            let rb = codec.record_bytes();
             let h = rng.next_u64() as usize % KV;
             let rec = &img.records[g * cfg.slot_bytes() + h * rb..][..rb];
-            let (kk, vv) = match cfg.key_schedule(layer, h) {
-                Some(s) => decode_record_model_frame(&spec, s, rec).unwrap(),
-                None => {
-                    let (mut kk, mut vv) = (vec![0.0; 128 * D], vec![0.0; 128 * D]);
-                    spec.decode(rec, &mut kk, &mut vv).unwrap();
-                    (kk, vv)
-                }
-            };
+            let (kk, vv) = codec.decode_model_frame(h, rec).unwrap();
             let (k, v) = content(live.stream, layer, SINK + g * 128, 128);
             let pick = |x: &[f32]| -> Vec<f32> {
                 (0..128)

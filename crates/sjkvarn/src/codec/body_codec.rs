@@ -124,6 +124,37 @@ impl BodyCodec {
         }
     }
 
+    /// Record `rec` of KV head `head` decoded to the model frame: `(keys, values)`, each
+    /// `[G][head_dim]` (checks and tools; attention reads the absorbed-scale halves).
+    pub fn decode_model_frame(&self, head: usize, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let d = match self {
+            BodyCodec::Reference { layout, .. } => layout.head_dim,
+            BodyCodec::Extension { spec, .. } => spec.head_dim,
+        };
+        let (mut k, mut v) = (vec![0f32; GROUP * d], vec![0f32; GROUP * d]);
+        match self {
+            BodyCodec::Reference { layout, .. } => {
+                if rec.len() != layout.bytes {
+                    return Err(CodecError::LengthMismatch {
+                        what: "body record",
+                        expected: layout.bytes,
+                        got: rec.len(),
+                    });
+                }
+                Decoder::new(*layout).decode(rec, &mut k, &mut v);
+            }
+            BodyCodec::Extension {
+                spec, schedules, ..
+            } => match schedules.get(head) {
+                Some(s) => return crate::gtq::decode_record_model_frame(spec, s, rec),
+                None => spec.decode_rotated(rec, &mut k, &mut v)?,
+            },
+        }
+        super::rotation::rotate_heads(&mut k, d)?;
+        super::rotation::rotate_heads(&mut v, d)?;
+        Ok((k, v))
+    }
+
     /// Width of one half (the head for reference records).
     pub fn half_width(&self) -> usize {
         match self {

@@ -216,17 +216,19 @@ impl Sealer {
                 sxx += x * x;
                 syy += yh * yh;
             }
+            // `positive` is false for NaN too: such rows keep the min/max affine.
+            let positive = |x: f64| x.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater);
             let vy = n * syy - sy * sy;
-            if !(vy > 0.0) {
+            if !positive(vy) {
                 continue;
             }
             let vx = n * sxx - sx * sx;
-            if !(vx > 0.0) {
+            if !positive(vx) {
                 continue;
             }
             let a = (vx / vy).sqrt();
             let b = (sx - a * sy) / n;
-            if !(a > 0.0) || b.is_nan() || a > 1e30 || b.abs() > 1e30 {
+            if !positive(a) || b.is_nan() || a > 1e30 || b.abs() > 1e30 {
                 continue;
             }
             let slot = if is_v { r } else { l.k_channel_slot(r) };

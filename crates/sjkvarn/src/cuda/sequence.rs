@@ -14,8 +14,8 @@ use crate::cache::pool::SlotId;
 use crate::cache::sequence::{memory_report, regions_at, LayerImage, MemoryReport};
 use crate::cache::staging::RowCodec;
 use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
-use crate::journal::{Chunk, LayerState};
 use crate::codec::{Body, RecordLayout, ITERS};
+use crate::journal::{Chunk, LayerState};
 use crate::kernel_abi::{
     attend_shared_floats, codebook_f32, device_layout, seal_workspace_bytes, tq6_tables,
     KernelLayerView, KernelRecordLayout, STAGING_TQ6,
