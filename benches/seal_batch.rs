@@ -7,7 +7,8 @@
 use sjkvarn::body::{BodyCoding, TrellisAxis, GROUP};
 use sjkvarn::records::encode_records;
 use sjkvarn::rng::SplitMix64;
-use sjkvarn::{BalanceConfig, BodySpec};
+use sjkvarn::codec::BodyCodec;
+use sjkvarn::BalanceConfig;
 use std::time::Instant;
 
 fn main() {
@@ -32,10 +33,8 @@ fn main() {
     ];
     println!("sealing {records} records (K and V tiles of {GROUP}x{d}) = one Qwen3.8-27B batch");
     for (name, kb, vb, kc, vc) in arms {
-        let spec = BodySpec::new(d, kb, vb)
-            .unwrap()
-            .with_coding(kc, vc)
-            .unwrap();
+        let codec =
+            BodyCodec::for_layer(d, kb, vb, kc, vc, BalanceConfig::default(), &[]).unwrap();
         let threads_to_try: &[usize] = if kc == BodyCoding::Scalar {
             &[1, 2]
         } else {
@@ -43,15 +42,7 @@ fn main() {
         };
         for &threads in threads_to_try {
             let start = Instant::now();
-            let out = encode_records(
-                &spec,
-                &BalanceConfig::default(),
-                &k,
-                &v,
-                true,
-                Some(threads),
-            )
-            .unwrap();
+            let out = encode_records(&codec, &k, &v, true, Some(threads)).unwrap();
             let secs = start.elapsed().as_secs_f64();
             println!(
                 "{name:>10}, {threads} thread(s): {secs:6.2} s ({:.0} records/s, {} MiB written)",

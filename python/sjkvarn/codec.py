@@ -6,9 +6,11 @@ caller-provided float32 tensor via ``out=``). Every failure raises :class:`sjkva
 (a ``ValueError``), ``TypeError`` for wrong types and dtypes, or ``ValueError`` for wrong devices.
 
 Flat block formats (``FORMATS``): ``f16``, llama.cpp ``q8_0 q4_0 q4_1 q5_0 q5_1`` (bit-exact with
-``gguf.quants.quantize``), and the rotated norm-coded ``turbo3 turbo4 tq5_0 tq6_0``. Blocks run
-along the last dimension. The scalar body record (``encode_body``) codes K and V tiles of one KV
-head and one 128-token group.
+``gguf.quants.quantize``), and the rotated norm-coded ``turbo3 turbo4 tq5_0 tq6_0`` (``tq6_0`` is
+the SJ-KVaRN reference staging block). Blocks run along the last dimension; ``rotated=True``
+means values already in the Hadamard frame (as the cache holds them). The body record
+(``encode_body``) codes K and V tiles of one KV head and one 128-token group in the SJ-KVaRN
+reference format (scalar 2..4 bits, trellis 3/3, 3/2, 2/2) or an sjkvarn extension.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ def _blob(blob: bytes | bytearray | memoryview) -> bytes:
     raise TypeError(f"blob must be bytes, bytearray or memoryview, got {type(blob).__name__}")
 
 
-def encode(fmt: str, array: Any, *, threads: int | None = None) -> bytes:
-    """Encodes ``array`` (last dimension a multiple of the format's block size) to bytes."""
-    return _core.encode(fmt, _exportable(array), threads)
+def encode(fmt: str, array: Any, *, rotated: bool = False, threads: int | None = None) -> bytes:
+    """Encodes ``array`` (last dimension a multiple of the format's block size) to bytes.
+
+    ``rotated=True``: the values are already in the Hadamard frame (rotated formats code them
+    as they are; the others ignore the flag).
+    """
+    return _core.encode(fmt, _exportable(array), threads, bool(rotated))
 
 
 def decode(
@@ -81,15 +87,17 @@ def decode(
     blob: bytes | bytearray | memoryview,
     shape: Sequence[int],
     *,
+    rotated: bool = False,
     out: Any = None,
     threads: int | None = None,
 ) -> Any:
-    """Decodes ``blob`` into a float32 array of ``shape`` (or into ``out``, which it returns)."""
+    """Decodes ``blob`` into a float32 array of ``shape`` (or into ``out``, which it returns);
+    ``rotated=True`` leaves rotated formats' values in the Hadamard frame."""
     if out is None:
         out = np.empty(tuple(int(s) for s in shape), dtype=np.float32)
     elif tuple(out.shape) != tuple(shape):
         raise _core.CodecError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    _core.decode_into(fmt, _blob(blob), out, threads)
+    _core.decode_into(fmt, _blob(blob), out, threads, bool(rotated))
     return out
 
 
@@ -123,11 +131,13 @@ def encode_body(
 ) -> bytes:
     """Seals K and V tiles ``[..., 128, head_dim]`` into one body record per tile.
 
-    ``mode`` is ``"final"`` (SJ-KVaRN, 16 passes) or ``"best"`` (KVarN reference, 8 passes);
-    ``stat`` is ``"std"`` or ``"rms"``. ``rotated=True`` means the tiles are already in the
-    Hadamard frame (as the cache stores them); otherwise they are rotated first.
-    ``k_body``/``v_body``: ``"scalar"``, ``"trellis"`` (runs along tokens, 2-4 bits) or
-    ``"trellis-channel"`` (runs along channels). Records have the same size either way.
+    The seal input is the tile in the Hadamard frame rounded to fp16: ``rotated=True`` means
+    the tiles are already rotated (as the cache stores them); otherwise each head row is rotated
+    first. With ``k_body == v_body`` in ``"scalar"`` (2..4 bits) or ``"trellis"`` (3/3, 3/2,
+    2/2), ``mode="final"`` and ``stat="std"``, the records are SJ-KVaRN reference records
+    (``passes`` balancing iterations, 16 in the format); anything else (5/6/8-bit sides,
+    ``"trellis-channel"``, ``mode="best"``, ``stat="rms"``) is an sjkvarn extension of the same
+    size. Decode with the same settings.
     """
     return _core.encode_body(
         _exportable(k),
@@ -154,8 +164,12 @@ def decode_body(
     threads: int | None = None,
     k_body: str = "scalar",
     v_body: str = "scalar",
+    passes: int = 16,
+    mode: str = "final",
+    stat: str = "std",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes records into float32 ``(k, v)``, each ``[records, 128, head_dim]``."""
+    """Decodes records into float32 ``(k, v)``, each ``[records, 128, head_dim]`` (in the
+    Hadamard frame when ``rotated``); the settings must be those the records were sealed with."""
     data = _blob(blob)
     record = body_layout(head_dim, k_bits, v_bits).record_bytes
     if len(data) == 0 or len(data) % record:
@@ -165,7 +179,9 @@ def decode_body(
     shape = (len(data) // record, GROUP, head_dim)
     k = np.empty(shape, dtype=np.float32)
     v = np.empty(shape, dtype=np.float32)
-    _core.decode_body_into(data, k, v, k_bits, v_bits, rotated, threads, k_body, v_body)
+    _core.decode_body_into(
+        data, k, v, k_bits, v_bits, rotated, threads, k_body, v_body, passes, mode, stat
+    )
     return k, v
 
 

@@ -9,6 +9,7 @@ use dlpack::{read_f32, with_f32_out};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use sjkvarn::codec::BodyCodec;
 use pyo3::types::PyBytes;
 use sjkvarn::body::GROUP;
 use sjkvarn::body::{BodyCoding, TrellisAxis};
@@ -39,13 +40,15 @@ fn formats() -> Vec<(&'static str, usize, usize, bool)> {
 }
 
 /// Encodes a float tensor; blocks run along the last dimension, which must divide into blocks.
+/// `rotated`: the values are already in the Hadamard frame (rotated formats skip their rotation).
 #[pyfunction]
-#[pyo3(signature = (format, array, threads=None))]
+#[pyo3(signature = (format, array, threads=None, rotated=false))]
 fn encode<'py>(
     py: Python<'py>,
     format: &str,
     array: &Bound<'py, PyAny>,
     threads: Option<usize>,
+    rotated: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let f = format_of(format)?;
     let host = read_f32(array, "array")?;
@@ -58,26 +61,34 @@ fn encode<'py>(
         )));
     }
     let bytes = py
-        .detach(|| sjkvarn::format::encode_rows(f, &host.values, last, threads))
+        .detach(|| {
+            let mut out =
+                vec![0u8; sjkvarn::format::encoded_len_rows(f, host.values.len(), last)?];
+            sjkvarn::format::encode_rows_frame(f, &host.values, last, rotated, &mut out, threads)
+                .map(|()| out)
+        })
         .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
 }
 
 /// Decodes `blob` into `out` (a C-contiguous float32 CPU tensor whose size fixes the count).
 #[pyfunction]
-#[pyo3(signature = (format, blob, out, threads=None))]
+#[pyo3(signature = (format, blob, out, threads=None, rotated=false))]
 fn decode_into(
     py: Python<'_>,
     format: &str,
     blob: &[u8],
     out: &Bound<'_, PyAny>,
     threads: Option<usize>,
+    rotated: bool,
 ) -> PyResult<()> {
     let f = format_of(format)?;
     with_f32_out(out, "out", |values, shape| {
         let last = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::format::decode_rows_into(f, blob, last, values, threads))
-            .map_err(err)
+        py.detach(|| {
+            sjkvarn::format::decode_rows_frame(f, blob, last, rotated, values, threads)
+        })
+        .map_err(err)
     })
 }
 
@@ -94,17 +105,18 @@ pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
     }
 }
 
-fn body_spec(
+/// The layer codec of a body: the reference format where it defines the coding, an extension
+/// otherwise.
+fn body_codec(
     head_dim: usize,
     k_bits: u32,
     v_bits: u32,
     k_body: &str,
     v_body: &str,
-) -> PyResult<BodySpec> {
+    balance: BalanceConfig,
+) -> PyResult<BodyCodec> {
     let (k, v) = (coding(k_body)?, coding(v_body)?);
-    BodySpec::new(head_dim, k_bits, v_bits)
-        .and_then(|s| s.with_coding(k, v))
-        .map_err(err)
+    BodyCodec::for_layer(head_dim, k_bits, v_bits, k, v, balance, &[]).map_err(err)
 }
 
 fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
@@ -175,18 +187,16 @@ fn encode_body<'py>(
             kh.shape, vh.shape
         )));
     }
-    let spec = body_spec(d, k_bits, v_bits, k_body, v_body)?;
+    let codec = body_codec(d, k_bits, v_bits, k_body, v_body, config)?;
     let bytes = py
-        .detach(|| {
-            records::encode_records(&spec, &config, &kh.values, &vh.values, rotated, threads)
-        })
+        .detach(|| records::encode_records(&codec, &kh.values, &vh.values, rotated, threads))
         .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
 }
 
 /// Decodes records into float32 K and V outputs of shape `[..., 128, head_dim]`.
 #[pyfunction]
-#[pyo3(signature = (blob, k_out, v_out, k_bits, v_bits, rotated=false, threads=None, k_body="scalar", v_body="scalar"))]
+#[pyo3(signature = (blob, k_out, v_out, k_bits, v_bits, rotated=false, threads=None, k_body="scalar", v_body="scalar", passes=16, mode="final", stat="std"))]
 #[allow(clippy::too_many_arguments)]
 fn decode_body_into(
     py: Python<'_>,
@@ -199,7 +209,11 @@ fn decode_body_into(
     threads: Option<usize>,
     k_body: &str,
     v_body: &str,
+    passes: u32,
+    mode: &str,
+    stat: &str,
 ) -> PyResult<()> {
+    let config = balance_config(passes, mode, stat)?;
     with_f32_out(k_out, "k_out", |k, k_shape| {
         let d = check_tiles(k_shape, "k_out")?;
         with_f32_out(v_out, "v_out", |v, v_shape| {
@@ -210,19 +224,23 @@ fn decode_body_into(
             if !k.is_empty() && k_range.start < v_range.end && v_range.start < k_range.end {
                 return Err(CodecError::new_err("k_out and v_out must not share memory"));
             }
-            let spec = body_spec(d, k_bits, v_bits, k_body, v_body)?;
-            py.detach(|| records::decode_records(&spec, blob, k, v, rotated, threads))
+            let codec = body_codec(d, k_bits, v_bits, k_body, v_body, config)?;
+            py.detach(|| records::decode_records(&codec, blob, k, v, rotated, threads))
                 .map_err(err)
         })
     })
 }
 
-/// Rotates every head vector of `x` in place (last dimension 64, 128, 256 or 512).
+/// Rotates every head vector of `x` in place (the whole head; last dimension 64, 128, 256 or
+/// 512), as the cache rotates K, V and Q.
 #[pyfunction]
 fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
     with_f32_out(x, "x", |values, shape| {
         let d = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::hadamard::rotate_rows(values, d))
+        if !matches!(d, 64 | 128 | 256 | 512) {
+            return Err(err(sjkvarn::CodecError::UnsupportedHeadDim(d)));
+        }
+        py.detach(|| sjkvarn::codec::rotation::rotate_heads(values, d))
             .map_err(err)
     })
 }

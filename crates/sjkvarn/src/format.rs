@@ -1,6 +1,10 @@
 //! Flat-array block formats behind one name-based API, plus multi-threaded encode and decode.
 //!
-//! Blocks are independent, so a parallel run writes exactly the bytes a serial run writes.
+//! Blocks are independent, so a parallel run writes exactly the bytes a serial run writes. The
+//! rotated formats rotate each block (Hadamard over the block) before coding and back after
+//! decoding, unless the caller says the values are already in the rotated frame. `tq6_0` is the
+//! SJ-KVaRN reference staging block ([`crate::codec::tq6`]); `turbo3`, `turbo4` and `tq5_0` are
+//! comparators.
 
 use crate::error::{check_finite, CodecError, Result};
 use crate::ggml::{block_scales, GgmlFormat, QK};
@@ -166,7 +170,13 @@ impl BlockFormat {
         Ok(values / bv * self.block_bytes())
     }
 
-    fn encode_block(self, tq_len: usize, block: &[f32], out: &mut [u8]) -> Result<()> {
+    fn encode_block(
+        self,
+        tq_len: usize,
+        rotated: bool,
+        block: &[f32],
+        out: &mut [u8],
+    ) -> Result<()> {
         match self.kind_with(tq_len) {
             Kind::F16 => {
                 let h = f16::from_f32(block[0]);
@@ -196,19 +206,38 @@ impl BlockFormat {
                 let mut rot = [0.0f32; TQ_BLOCK];
                 let rot = &mut rot[..b.len];
                 rot.copy_from_slice(block);
-                fwht_unchecked(rot);
-                b.encode_rotated(rot, out)
+                if !rotated {
+                    fwht_unchecked(rot);
+                }
+                if b.bits != 6 {
+                    return b.encode_rotated(rot, out);
+                }
+                crate::codec::tq6::encode_row(rot, out);
+                let norm = f16::from_le_bytes([out[0], out[1]]);
+                if !norm.is_finite() {
+                    return Err(CodecError::ScaleOverflow {
+                        what: "tq6_0 norm",
+                        value: rot.iter().map(|x| x * x).sum::<f32>().sqrt(),
+                    });
+                }
+                Ok(())
             }
         }
     }
 
-    fn decode_block(self, tq_len: usize, bytes: &[u8], out: &mut [f32]) {
+    fn decode_block(self, tq_len: usize, rotated: bool, bytes: &[u8], out: &mut [f32]) {
         match self.kind_with(tq_len) {
             Kind::F16 => out[0] = f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
             Kind::Ggml(g) => g.decode_block(bytes, out),
             Kind::Tq(b) => {
-                b.decode_rotated(bytes, out);
-                fwht_unchecked(out);
+                if b.bits == 6 {
+                    crate::codec::tq6::decode_row(bytes, out);
+                } else {
+                    b.decode_rotated(bytes, out);
+                }
+                if !rotated {
+                    fwht_unchecked(out);
+                }
             }
         }
     }
@@ -267,6 +296,19 @@ pub fn encode_rows_into(
     out: &mut [u8],
     threads: Option<usize>,
 ) -> Result<()> {
+    encode_rows_frame(format, values, row_len, false, out, threads)
+}
+
+/// [`encode_rows_into`] with values already in the rotated frame when `rotated` (rotated formats
+/// then skip their own rotation; other formats ignore the flag).
+pub fn encode_rows_frame(
+    format: BlockFormat,
+    values: &[f32],
+    row_len: usize,
+    rotated: bool,
+    out: &mut [u8],
+    threads: Option<usize>,
+) -> Result<()> {
     let expected = encoded_len_rows(format, values.len(), row_len)?;
     if out.len() != expected {
         return Err(CodecError::LengthMismatch {
@@ -288,7 +330,7 @@ pub fn encode_rows_into(
             .try_for_each(|(vals, bytes)| {
                 vals.chunks_exact(bv)
                     .zip(bytes.chunks_exact_mut(bb))
-                    .try_for_each(|(v, b)| format.encode_block(tq_len, v, b))
+                    .try_for_each(|(v, b)| format.encode_block(tq_len, rotated, v, b))
             })
     })?
 }
@@ -328,6 +370,18 @@ pub fn decode_rows_into(
     out: &mut [f32],
     threads: Option<usize>,
 ) -> Result<()> {
+    decode_rows_frame(format, bytes, row_len, false, out, threads)
+}
+
+/// [`decode_rows_into`] leaving rotated formats' values in the rotated frame when `rotated`.
+pub fn decode_rows_frame(
+    format: BlockFormat,
+    bytes: &[u8],
+    row_len: usize,
+    rotated: bool,
+    out: &mut [f32],
+    threads: Option<usize>,
+) -> Result<()> {
     let expected = encoded_len_rows(format, out.len(), row_len)?;
     if bytes.len() != expected {
         return Err(CodecError::LengthMismatch {
@@ -347,7 +401,7 @@ pub fn decode_rows_into(
             .zip(out.par_chunks_mut(bv * BLOCKS_PER_TASK))
             .for_each(|(bytes, vals)| {
                 for (b, v) in bytes.chunks_exact(bb).zip(vals.chunks_exact_mut(bv)) {
-                    format.decode_block(tq_len, b, v);
+                    format.decode_block(tq_len, rotated, b, v);
                 }
             })
     })

@@ -1,16 +1,27 @@
-//! Many body records at once: one record per (K tile, V tile) pair, tiles in parallel.
+//! Many body records at once: one record per (K tile, V tile) pair, tiles in parallel, through
+//! the layer codec ([`BodyCodec`]) the cache uses.
 //!
-//! Each tile is balanced and rounded on its own with sequential reductions, so the bytes do not
-//! depend on the thread count.
+//! The seal input is what the cache seals: the tile in the Hadamard frame, rounded to fp16 (a
+//! model-frame tile is rotated first, head by head). Each tile is balanced and rounded on its
+//! own with sequential reductions, so the bytes do not depend on the thread count.
 
-use crate::balance::BalanceConfig;
-use crate::body::{BodySpec, GROUP};
+use crate::body::GROUP;
+use crate::codec::fp16::f32_to_f16;
+use crate::codec::rotation::rotate_heads;
+use crate::codec::BodyCodec;
 use crate::error::{check_finite, CodecError, Result};
 use crate::format::with_threads;
 use rayon::prelude::*;
 
-fn tile_count(spec: &BodySpec, what: &'static str, len: usize) -> Result<usize> {
-    let tile = GROUP * spec.head_dim;
+fn head_dim(codec: &BodyCodec) -> usize {
+    match codec {
+        BodyCodec::Reference { layout, .. } => layout.head_dim,
+        BodyCodec::Extension { spec, .. } => spec.head_dim,
+    }
+}
+
+fn tile_count(d: usize, what: &'static str, len: usize) -> Result<usize> {
+    let tile = GROUP * d;
     if len == 0 || len % tile != 0 {
         return Err(CodecError::NotBlockMultiple {
             what,
@@ -23,14 +34,14 @@ fn tile_count(spec: &BodySpec, what: &'static str, len: usize) -> Result<usize> 
 
 /// Encodes `k` and `v` (each `[n][G][head_dim]`, model frame unless `rotated`) into `n` records.
 pub fn encode_records(
-    spec: &BodySpec,
-    config: &BalanceConfig,
+    codec: &BodyCodec,
     k: &[f32],
     v: &[f32],
     rotated: bool,
     threads: Option<usize>,
 ) -> Result<Vec<u8>> {
-    let n = tile_count(spec, "K tiles", k.len())?;
+    let d = head_dim(codec);
+    let n = tile_count(d, "K tiles", k.len())?;
     if v.len() != k.len() {
         return Err(CodecError::LengthMismatch {
             what: "V tiles",
@@ -45,34 +56,51 @@ pub fn encode_records(
         },
         other => other,
     })?;
-    config.validate()?;
-    let tile = GROUP * spec.head_dim;
-    let rb = spec.record_bytes();
+    let tile = GROUP * d;
+    let rb = codec.record_bytes();
     let mut out = vec![0u8; n * rb];
+    let seal_input = |x: &[f32]| -> Result<Vec<u16>> {
+        let mut r = x.to_vec();
+        if !rotated {
+            rotate_heads(&mut r, d)?;
+        }
+        r.iter()
+            .map(|&x| {
+                let h = f32_to_f16(x);
+                if half::f16::from_bits(h).is_finite() {
+                    Ok(h)
+                } else {
+                    Err(CodecError::ScaleOverflow {
+                        what: "fp16 seal input",
+                        value: x,
+                    })
+                }
+            })
+            .collect()
+    };
     with_threads(threads, || {
         out.par_chunks_mut(rb)
             .zip(k.par_chunks(tile).zip(v.par_chunks(tile)))
-            .try_for_each(|(rec, (kt, vt))| {
-                if rotated {
-                    spec.encode_rotated(kt, vt, config, rec)
-                } else {
-                    spec.encode(kt, vt, config, rec)
-                }
-            })
+            .try_for_each_init(
+                || codec.sealer(),
+                |sealer, (rec, (kt, vt))| sealer.seal(0, &seal_input(kt)?, &seal_input(vt)?, rec),
+            )
     })??;
     Ok(out)
 }
 
-/// Decodes `n` records into `k` and `v` (each `[n][G][head_dim]`).
+/// Decodes `n` records into `k` and `v` (each `[n][G][head_dim]`, model frame unless
+/// `rotated`).
 pub fn decode_records(
-    spec: &BodySpec,
+    codec: &BodyCodec,
     records: &[u8],
     k: &mut [f32],
     v: &mut [f32],
     rotated: bool,
     threads: Option<usize>,
 ) -> Result<()> {
-    let n = tile_count(spec, "K output", k.len())?;
+    let d = head_dim(codec);
+    let n = tile_count(d, "K output", k.len())?;
     if v.len() != k.len() {
         return Err(CodecError::LengthMismatch {
             what: "V output",
@@ -80,7 +108,7 @@ pub fn decode_records(
             got: v.len(),
         });
     }
-    let rb = spec.record_bytes();
+    let rb = codec.record_bytes();
     if records.len() != n * rb {
         return Err(CodecError::LengthMismatch {
             what: "record bytes",
@@ -88,17 +116,20 @@ pub fn decode_records(
             got: records.len(),
         });
     }
-    let tile = GROUP * spec.head_dim;
+    let tile = GROUP * d;
     with_threads(threads, || {
         records
             .par_chunks(rb)
             .zip(k.par_chunks_mut(tile).zip(v.par_chunks_mut(tile)))
             .try_for_each(|(rec, (kt, vt))| {
+                let (kk, vv) = codec.decode_model_frame(0, rec)?;
+                kt.copy_from_slice(&kk);
+                vt.copy_from_slice(&vv);
                 if rotated {
-                    spec.decode_rotated(rec, kt, vt)
-                } else {
-                    spec.decode(rec, kt, vt)
+                    rotate_heads(kt, d)?;
+                    rotate_heads(vt, d)?;
                 }
+                Ok(())
             })
     })?
 }
@@ -106,7 +137,8 @@ pub fn decode_records(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balance::{BalanceMode, BalanceStat};
+    use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
+    use crate::body::BodyCoding;
 
     fn tiles(n: usize, d: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -125,20 +157,20 @@ mod tests {
             .collect()
     }
 
+    fn codec(d: usize, k: u32, v: u32, balance: BalanceConfig) -> BodyCodec {
+        BodyCodec::for_layer(d, k, v, BodyCoding::Scalar, BodyCoding::Scalar, balance, &[])
+            .unwrap()
+    }
+
     #[test]
     fn bytes_do_not_depend_on_thread_count() {
         let (k, v) = (tiles(5, 128, 1), tiles(5, 128, 2));
         for mode in [BalanceMode::Final, BalanceMode::Best] {
             for stat in [BalanceStat::Std, BalanceStat::Rms] {
-                let cfg = BalanceConfig {
-                    passes: 12,
-                    mode,
-                    stat,
-                };
-                let spec = BodySpec::new(128, 3, 2).unwrap();
-                let one = encode_records(&spec, &cfg, &k, &v, false, Some(1)).unwrap();
-                let two = encode_records(&spec, &cfg, &k, &v, false, Some(2)).unwrap();
-                let again = encode_records(&spec, &cfg, &k, &v, false, Some(2)).unwrap();
+                let c = codec(128, 3, 2, BalanceConfig { passes: 12, mode, stat });
+                let one = encode_records(&c, &k, &v, false, Some(1)).unwrap();
+                let two = encode_records(&c, &k, &v, false, Some(2)).unwrap();
+                let again = encode_records(&c, &k, &v, false, Some(2)).unwrap();
                 assert_eq!(one, two);
                 assert_eq!(two, again);
             }
@@ -147,25 +179,25 @@ mod tests {
 
     #[test]
     fn round_trip_and_errors() {
-        let spec = BodySpec::new(512, 4, 4).unwrap();
+        let c = codec(512, 4, 4, BalanceConfig::default());
+        assert!(c.is_reference());
         let (k, v) = (tiles(2, 512, 3), tiles(2, 512, 4));
-        let cfg = BalanceConfig::default();
-        let recs = encode_records(&spec, &cfg, &k, &v, false, None).unwrap();
-        assert_eq!(recs.len(), 2 * spec.record_bytes());
+        let recs = encode_records(&c, &k, &v, false, None).unwrap();
+        assert_eq!(recs.len(), 2 * c.record_bytes());
         let (mut kk, mut vv) = (vec![0.0; k.len()], vec![0.0; v.len()]);
-        decode_records(&spec, &recs, &mut kk, &mut vv, false, None).unwrap();
+        decode_records(&c, &recs, &mut kk, &mut vv, false, None).unwrap();
         let rel = |a: &[f32], b: &[f32]| {
             let e: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
             e / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>()
         };
         assert!(rel(&k, &kk) < 0.02 && rel(&v, &vv) < 0.02);
-        assert!(encode_records(&spec, &cfg, &k, &v[1..], false, None).is_err());
-        assert!(encode_records(&spec, &cfg, &k[1..], &v[1..], false, None).is_err());
-        assert!(decode_records(&spec, &recs[1..], &mut kk, &mut vv, false, None).is_err());
+        assert!(encode_records(&c, &k, &v[1..], false, None).is_err());
+        assert!(encode_records(&c, &k[1..], &v[1..], false, None).is_err());
+        assert!(decode_records(&c, &recs[1..], &mut kk, &mut vv, false, None).is_err());
         let mut bad = v.clone();
         bad[10] = f32::INFINITY;
         assert_eq!(
-            encode_records(&spec, &cfg, &k, &bad, false, None),
+            encode_records(&c, &k, &bad, false, None),
             Err(CodecError::NonFinite {
                 index: k.len() + 10
             })
