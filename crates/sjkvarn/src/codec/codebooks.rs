@@ -148,3 +148,37 @@ pub const TQ6_MIDPOINTS: [f32; 63] = [
      0.108961,  0.116714,  0.124779,  0.133206,  0.142059,  0.151415,  0.161376,  0.172074,
      0.183690,  0.196478,  0.210819,  0.227316,  0.247031,  0.272141,  0.308676,
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    fn digest(k: &[u16], v: &[u16]) -> String {
+        let mut h = Sha256::new();
+        for x in k.iter().chain(v) {
+            h.update(x.to_le_bytes());
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn tables_match_the_reference_digests() {
+        // SJKVARN_CB3_SHA256 / SJKVARN_CB2_SHA256 of sj_kvarn.h: the K table then the V table.
+        assert_eq!(
+            digest(&CB3_K, &CB3_V),
+            "0d6e6d63309612d0df48ec6ea2bacd00c56e97fe35a67848c53892eafa1ac078"
+        );
+        assert_eq!(
+            digest(&CB2_K, &CB2_V),
+            "c7a63f25c47604af04a5be15d4704204d2fd8c7235ce441b88fb4a2da692dba8"
+        );
+        // Centroids are symmetric and the midpoints lie between them.
+        for i in 0..32 {
+            assert_eq!(TQ6_CENTROIDS[i], -TQ6_CENTROIDS[63 - i]);
+        }
+        for (i, m) in TQ6_MIDPOINTS.iter().enumerate() {
+            assert!(TQ6_CENTROIDS[i] < *m && *m < TQ6_CENTROIDS[i + 1]);
+        }
+    }
+}
