@@ -253,6 +253,8 @@ impl CacheConfig {
         let codec = self.body_codec(layers[0]);
         let uniform = layers.iter().all(|&l| self.layer_coding[l] == lc);
         let reference = uniform
+            && self.min_tail % GROUP == 0
+            && self.max_tail % 128 == 0
             && codec.is_reference()
             && self.head_dim % 128 == 0
             && self.staging != Staging::Q8_0;
