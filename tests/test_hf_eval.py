@@ -37,13 +37,14 @@ def test_exact_cache_generates_the_same_tokens_as_dynamic_cache(model_and_tokeni
 
 
 def test_chunked_replay_equals_token_by_token(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The cache itself replays bit for bit (tests/test_cache.py and crates/sjkvarn/tests);
-    through the model, chunked and single-token matmuls differ in float rounding, and a
-    quantized cache turns that into different codes now and then, so the scores agree
-    statistically, not bitwise. With exact regions they agree to rounding."""
+    """Here the seal points of 64-token and 1-token ubatches coincide (the span first reaches
+    max_tail at position 384 either way), but through the model chunked and single-token matmuls
+    differ in float rounding, which a quantized cache turns into different codes now and then.
+    Each schedule is therefore scored against the exact cache run with the same schedule, and
+    the two KLs agree statistically (the paired 95% CI of their ratio contains 1), not bitwise.
+    With exact regions the two schedules agree to rounding."""
     net, tok = model_and_tokenizer
     ids = tok(histories.coding().text, return_tensors="pt").input_ids[:, :420]
-    ref, _, _ = evaluation.run_sequence(net, ids, 300, None)
     exact = evaluation.Arm("exact", journal=dict(staging="f16", min_tail=128, max_tail=4096))
     a, _, _ = evaluation.run_sequence(net, ids, 300, exact, max_chunk=64)
     b, _, _ = evaluation.run_sequence(net, ids, 300, exact, max_chunk=1)
@@ -54,9 +55,10 @@ def test_chunked_replay_equals_token_by_token(model_and_tokenizer) -> None:  # t
     )
     chunked, _, _ = evaluation.run_sequence(net, ids, 300, arm, max_chunk=64)
     single, _, _ = evaluation.run_sequence(net, ids, 300, arm, max_chunk=1)
-    kl_c = stats.kl_per_position(ref, chunked).mean()
-    kl_s = stats.kl_per_position(ref, single).mean()
-    assert abs(kl_c - kl_s) / kl_s < 0.15, (kl_c, kl_s)
+    kl_c = stats.kl_per_position(a, chunked)
+    kl_s = stats.kl_per_position(b, single)
+    ratio, lo, hi = stats.bootstrap_ratio(kl_c, kl_s)
+    assert lo <= 1.0 <= hi, (ratio, lo, hi)
 
 
 def test_rewind_reprocesses_dropped_groups(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -66,12 +68,23 @@ def test_rewind_reprocesses_dropped_groups(model_and_tokenizer) -> None:  # type
     cache = hf.SJKVCache(net, cfg)
     with torch.no_grad():
         net(ids, past_key_values=cache, use_cache=True)
-    cache.rewind(net, ids, 450)
-    assert cache.get_seq_length() == 450
+    body_end = cache.sjkv.regions(5)["body"][1]
+    assert body_end == 384  # one seal at the 512-token ubatch start, down to floor(512 - 128)
+    # A cut in the body resumes at the group floor: 300 -> 256, 44 tokens re-run.
+    assert cache.sjkv.fork().truncate(300) == 256
+    cache.rewind(net, ids, 300)
+    assert cache.get_seq_length() == 300
+    # The continuation after the edit point, then a fresh build of the same 700 tokens: seal
+    # points depend on the ubatch schedule, but after an idle flush both hold the same regions.
+    with torch.no_grad():
+        net(ids[:, 300:], past_key_values=cache, use_cache=True)
     fresh = hf.SJKVCache(net, cfg)
     with torch.no_grad():
-        net(ids[:, :450], past_key_values=fresh, use_cache=True)
+        net(ids, past_key_values=fresh, use_cache=True)
+    cache.sjkv.seal_idle()
+    fresh.sjkv.seal_idle()
     assert cache.sjkv.regions(5) == fresh.sjkv.regions(5)
+    assert cache.sjkv.regions(5)["body"] == (128, 512)
 
 
 def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]

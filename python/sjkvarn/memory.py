@@ -1,8 +1,8 @@
 """KV-cache allocation per format and the largest context that fits a memory budget.
 
 Flat formats allocate ``bits/value x values``. An SJ-KVaRN cache allocates, per full-attention
-layer: the fp16 sink (128 tokens), the staging ring in full up front (``max_tail + 128 +
-2*max_chunk`` rows of ``tq6_0``), and one body record per sealed 128-token group; at a context of
+layer: the fp16 sink (128 tokens), the staging ring in full up front (``PAD(max_tail + 128 +
+2*max_chunk, 128)`` rows of ``tq6_0``), and one body record per sealed 128-token group; at a context of
 ``N`` tokens the body holds ``N - 128 - min_tail`` tokens (just after a seal). GB = 1,024 MiB.
 """
 
@@ -71,7 +71,9 @@ class Journal:
 
     @property
     def ring_rows(self) -> int:
-        return self.max_tail + codec.GROUP + 2 * self.max_chunk
+        """The reference's ring size: ``PAD(max(tail, tail_max) + G + 2 * n_ubatch, 128)``."""
+        need = max(self.min_tail, self.max_tail) + codec.GROUP + 2 * self.max_chunk
+        return -(-need // 128) * 128
 
 
 def flat_bytes(fmt: str, geo: Geometry, tokens: int) -> float:

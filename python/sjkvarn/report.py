@@ -13,7 +13,7 @@ import numpy as np
 from sjkvarn import codec
 
 BODY_BITS = (2, 3, 4, 5, 6, 8)
-TRELLIS_BITS = (2, 3, 4)
+TRELLIS_BITS = (2, 3)  # the reference trellis pairs 2/2 and 3/3 (there is no 4-bit trellis)
 
 
 @dataclass(frozen=True)

@@ -143,9 +143,24 @@ fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig
     Ok(config)
 }
 
-/// `(record_bytes, metadata_bytes, bits_per_value)` of a scalar body record.
+/// `(record_bytes, metadata_bytes, bits_per_value)` of a body record: the reference layout for
+/// 2..4-bit sides, the extension layout for 5/6/8-bit sides.
 #[pyfunction]
 fn body_layout(head_dim: usize, k_bits: u32, v_bits: u32) -> PyResult<(usize, usize, f64)> {
+    if (2..=4).contains(&k_bits) && (2..=4).contains(&v_bits) {
+        let l = sjkvarn::codec::RecordLayout::new(
+            head_dim,
+            sjkvarn::codec::GROUP,
+            k_bits,
+            v_bits,
+            sjkvarn::codec::Body::Scalar,
+        )
+        .map_err(err)?;
+        if !matches!(head_dim, 64 | 128 | 256 | 512) {
+            return Err(err(sjkvarn::CodecError::UnsupportedHeadDim(head_dim)));
+        }
+        return Ok((l.bytes, l.bytes - l.k_scale, l.bits_per_value()));
+    }
     let s = BodySpec::new(head_dim, k_bits, v_bits).map_err(err)?;
     Ok((s.record_bytes(), s.metadata_bytes(), s.bits_per_value()))
 }

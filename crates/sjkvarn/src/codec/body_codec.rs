@@ -41,6 +41,9 @@ impl BodyCodec {
         balance: BalanceConfig,
         schedules: &[KeySchedule],
     ) -> Result<Self> {
+        if !matches!(head_dim, 64 | 128 | 256 | 512) {
+            return Err(CodecError::UnsupportedHeadDim(head_dim));
+        }
         let reference_balance =
             balance.mode == BalanceMode::Final && balance.stat == BalanceStat::Std;
         let body = match (k_coding, v_coding) {
