@@ -1,9 +1,10 @@
 """KV-cache allocation per format and the largest context that fits a memory budget.
 
 Flat formats allocate ``bits/value x values``. An SJ-KVaRN cache allocates, per full-attention
-layer: the fp16 sink (128 tokens), the staging ring in full up front (``PAD(max_tail + 128 +
-2*max_chunk, 128)`` rows of ``tq6_0``), and one body record per sealed 128-token group; at a context of
-``N`` tokens the body holds ``N - 128 - min_tail`` tokens (just after a seal). GB = 1,024 MiB.
+layer: the fp16 sink (128 tokens), the staging ring in full up front
+(``PAD(max_tail + 128 + 2*max_chunk, 128)`` rows of ``tq6_0``), and one body record per sealed
+128-token group; at a context of ``N`` tokens the body holds ``N - 128 - min_tail`` tokens (just
+after a seal). GB = 1,024 MiB.
 """
 
 from __future__ import annotations

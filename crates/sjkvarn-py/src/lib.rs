@@ -9,10 +9,10 @@ use dlpack::{read_f32, with_f32_out};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use sjkvarn::codec::BodyCodec;
 use pyo3::types::PyBytes;
 use sjkvarn::body::GROUP;
 use sjkvarn::body::{BodyCoding, TrellisAxis};
+use sjkvarn::codec::BodyCodec;
 use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
 create_exception!(
@@ -62,8 +62,7 @@ fn encode<'py>(
     }
     let bytes = py
         .detach(|| {
-            let mut out =
-                vec![0u8; sjkvarn::format::encoded_len_rows(f, host.values.len(), last)?];
+            let mut out = vec![0u8; sjkvarn::format::encoded_len_rows(f, host.values.len(), last)?];
             sjkvarn::format::encode_rows_frame(f, &host.values, last, rotated, &mut out, threads)
                 .map(|()| out)
         })
@@ -85,10 +84,8 @@ fn decode_into(
     let f = format_of(format)?;
     with_f32_out(out, "out", |values, shape| {
         let last = shape.last().copied().unwrap_or(0);
-        py.detach(|| {
-            sjkvarn::format::decode_rows_frame(f, blob, last, rotated, values, threads)
-        })
-        .map_err(err)
+        py.detach(|| sjkvarn::format::decode_rows_frame(f, blob, last, rotated, values, threads))
+            .map_err(err)
     })
 }
 

@@ -158,8 +158,16 @@ mod tests {
     }
 
     fn codec(d: usize, k: u32, v: u32, balance: BalanceConfig) -> BodyCodec {
-        BodyCodec::for_layer(d, k, v, BodyCoding::Scalar, BodyCoding::Scalar, balance, &[])
-            .unwrap()
+        BodyCodec::for_layer(
+            d,
+            k,
+            v,
+            BodyCoding::Scalar,
+            BodyCoding::Scalar,
+            balance,
+            &[],
+        )
+        .unwrap()
     }
 
     #[test]
@@ -167,7 +175,16 @@ mod tests {
         let (k, v) = (tiles(5, 128, 1), tiles(5, 128, 2));
         for mode in [BalanceMode::Final, BalanceMode::Best] {
             for stat in [BalanceStat::Std, BalanceStat::Rms] {
-                let c = codec(128, 3, 2, BalanceConfig { passes: 12, mode, stat });
+                let c = codec(
+                    128,
+                    3,
+                    2,
+                    BalanceConfig {
+                        passes: 12,
+                        mode,
+                        stat,
+                    },
+                );
                 let one = encode_records(&c, &k, &v, false, Some(1)).unwrap();
                 let two = encode_records(&c, &k, &v, false, Some(2)).unwrap();
                 let again = encode_records(&c, &k, &v, false, Some(2)).unwrap();
