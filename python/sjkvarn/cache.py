@@ -107,7 +107,9 @@ class Config:
     layer (tiered edge layers). ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16)
     or ``"q8_0"`` (extension). ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the
     reference's ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed
-    tail); ``sink_type`` is ``"f16"`` or ``"inherit"`` (with f16 staging). A configuration with
+    tail); ``sink`` is the number of leading positions kept exact (a non-zero multiple of 64,
+    128 by default; CPU only otherwise) and ``sink_type`` ``"f16"`` or ``"inherit"`` (with f16
+    staging). A configuration with
     2..4-bit scalar or reference-trellis bodies, tq6_0 or f16 staging and ``head_dim`` a multiple
     of 128 writes the reference SJ-KVaRN format (``Cache.reference_format``). ``pool_sequences``
     sizes the record pool
@@ -133,6 +135,7 @@ class Config:
     mode: str = "final"
     stat: str = "std"
     staging: str = "tq6_0"
+    sink: int = 128
     sink_type: str = "f16"
     device: str = "cpu"
     pool_sequences: int = 1
@@ -179,6 +182,7 @@ def _spec_of(config: Config) -> Any:
         config.key_schedules,
         config.flush_chunk,
         config.sink_type,
+        config.sink,
     )
 
 
@@ -208,6 +212,7 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
         mode=d["mode"],
         stat=d["stat"],
         staging=d["staging"],
+        sink=d["sink"],
         sink_type=d["sink_type"],
         pool_sequences=pool_sequences,
         key_schedules=schedules,

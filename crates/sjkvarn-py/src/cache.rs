@@ -58,7 +58,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None, flush_chunk=0, sink_type="f16"))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None, flush_chunk=0, sink_type="f16", sink=128))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -77,6 +77,7 @@ impl CacheSpec {
         key_schedules: Option<Vec<Vec<Vec<u32>>>>,
         flush_chunk: usize,
         sink_type: &str,
+        sink: usize,
     ) -> PyResult<Self> {
         let mut config = build_config(
             layers,
@@ -90,6 +91,7 @@ impl CacheSpec {
             key_schedules,
         )?;
         config.flush_chunk = flush_chunk;
+        config.sink = sink;
         config.sink_type = match sink_type {
             "f16" => SinkType::F16,
             "inherit" => SinkType::Inherit,
@@ -144,6 +146,7 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
     d.set_item("max_chunk", c.max_chunk)?;
     d.set_item("max_tokens", c.max_tokens)?;
     d.set_item("flush_chunk", c.flush_chunk)?;
+    d.set_item("sink", c.sink)?;
     d.set_item("passes", c.balance.passes)?;
     d.set_item(
         "mode",
@@ -238,6 +241,7 @@ fn build_config(
         max_tokens,
         balance,
         staging: Staging::from_name(staging).map_err(err)?,
+        sink: sjkvarn::cache::SINK,
         sink_type: SinkType::F16,
         key_schedules: Vec::new(),
     };

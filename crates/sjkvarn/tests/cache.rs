@@ -607,3 +607,51 @@ fn configurations_too_large_for_the_machine_are_errors_not_aborts() {
         Err(CacheError::OutOfMemory { .. })
     ));
 }
+
+#[test]
+fn the_sink_length_is_configurable_as_the_reference_allows() {
+    for sink in [64usize, 256] {
+        let mut cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+        cfg.sink = sink;
+        let mut seq = new_seq(cfg.clone());
+        let mut rng = SplitMix64::new(21);
+        for layer in 0..2 {
+            seq.append(layer, &kv(&mut rng, 900, 2), &kv(&mut rng, 900, 2))
+                .unwrap();
+        }
+        let [s, body, ring] = seq.regions(0).unwrap();
+        assert_eq!(s, 0..sink);
+        assert_eq!(body.start, sink);
+        assert_eq!((body.end - sink) % 128, 0);
+        assert!(body.end > sink && ring.end == 900);
+        // a cut in the body resumes at the group floor counted from the sink
+        let cut = body.end - 5;
+        let mut child = seq.fork();
+        assert_eq!(child.truncate(cut).unwrap(), body.end - 128);
+        // the state stream carries the sink and restores it
+        let stream = seq.state_bytes().unwrap();
+        assert_eq!(
+            u32::from_le_bytes(stream[32..36].try_into().unwrap()),
+            sink as u32
+        );
+        let back = Sequence::from_state(Arc::new(cfg.clone()), None, &stream).unwrap();
+        assert_eq!(back.state_bytes().unwrap(), stream);
+        let q = rng.gaussians(4 * D);
+        assert_eq!(
+            attend(&seq, 1, &q, None).unwrap(),
+            attend(&back, 1, &q, None).unwrap()
+        );
+        // a stream of another sink length is refused by name
+        let mut other = cfg.clone();
+        other.sink = 128;
+        assert!(matches!(
+            Sequence::from_state(Arc::new(other), None, &stream),
+            Err(CacheError::State(sjkvarn::journal::StateError::Sink { .. }))
+        ));
+    }
+    let mut bad = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    for sink in [0usize, 100] {
+        bad.sink = sink;
+        assert!(bad.validate().is_err());
+    }
+}

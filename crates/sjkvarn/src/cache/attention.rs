@@ -12,7 +12,6 @@
 //! not depend on how many other rows share the call. Chunked prefill therefore equals
 //! token-by-token decoding bit for bit when chunks do not straddle a seal.
 
-use super::config::SINK;
 use super::sequence::Sequence;
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
@@ -234,11 +233,13 @@ pub fn attend(
             let mut kblk = vec![0.0f32; GROUP * d];
             let mut vblk = vec![0.0f32; GROUP * d];
 
-            // Sink (rotated fp16).
-            let sink_rows = lj.len.min(SINK);
-            if sink_rows > 0 {
-                for t in 0..sink_rows {
-                    let at = (t * kvh + h) * d;
+            // Sink (rotated fp16), in blocks of at most 128 positions.
+            let sink_rows = lj.len.min(cfg.sink);
+            let mut first = 0;
+            while first < sink_rows {
+                let rows = (sink_rows - first).min(GROUP);
+                for t in 0..rows {
+                    let at = ((first + t) * kvh + h) * d;
                     for c in 0..d {
                         kblk[t * d + c] = lj.sink_k[at + c].to_f32();
                         vblk[t * d + c] = lj.sink_v[at + c].to_f32();
@@ -246,14 +247,15 @@ pub fn attend(
                 }
                 ctx.dense(
                     &mut states,
-                    0,
-                    sink_rows,
+                    first,
+                    rows,
                     &kblk,
                     &vblk,
                     true,
                     &mut logits,
                     &mut weights,
                 );
+                first += rows;
             }
 
             // Body records (rotated frame, absorbed scales).
@@ -270,7 +272,7 @@ pub fn attend(
                 out
             });
             for (g, &slot) in lj.blocks.iter().enumerate() {
-                let first = SINK + g * GROUP;
+                let first = cfg.sink + g * GROUP;
                 let bytes = seq.pool().get(slot);
                 let record = &bytes[h * rb..(h + 1) * rb];
                 let halves = codec.halves(h, record)?;
@@ -310,7 +312,7 @@ pub fn attend(
 
             // Ring, in blocks aligned to 128 positions.
             let rotated = true;
-            let mut first = lj.ring_start();
+            let mut first = lj.ring_start(cfg.sink);
             while first < lj.len {
                 let rows = (lj.len - first).min(GROUP);
                 for t in 0..rows {

@@ -7,7 +7,7 @@ use crate::codec::BodyCodec;
 use crate::gtq::KeySchedule;
 use crate::journal::Rules;
 
-/// Tokens kept in fp16 at the start of every sequence.
+/// Default sink: positions kept in fp16 at the start of every sequence (the reference's 128).
 pub const SINK: usize = 128;
 
 /// Longest supported sequence.
@@ -99,6 +99,8 @@ pub struct CacheConfig {
     pub max_tokens: usize,
     pub balance: BalanceConfig,
     pub staging: Staging,
+    /// Leading positions kept exact (the reference's `sink`: a non-zero multiple of 64).
+    pub sink: usize,
     pub sink_type: SinkType,
     /// Block-GTQ key schedules: for every layer whose keys use `BodyCoding::RopeBlocks`, one
     /// schedule per KV head; empty for every other layer (and entirely empty when no layer
@@ -130,6 +132,7 @@ impl CacheConfig {
             max_tokens,
             balance: BalanceConfig::default(),
             staging: Staging::Tq6,
+            sink: SINK,
             sink_type: SinkType::F16,
             key_schedules: Vec::new(),
         }
@@ -158,6 +161,12 @@ impl CacheConfig {
             return bad(format!(
                 "head_dim {} is not supported: expected 64, 128, 256 or 512",
                 self.head_dim
+            ));
+        }
+        if self.sink == 0 || self.sink % 64 != 0 || self.sink > 1 << 16 {
+            return bad(format!(
+                "sink ({}) must be a non-zero multiple of 64 (at most 65536)",
+                self.sink
             ));
         }
         if self.sink_type == SinkType::Inherit && self.staging != Staging::F16 {
@@ -288,7 +297,7 @@ impl CacheConfig {
     /// The journal rules of this configuration (shared by every backend).
     pub fn rules(&self) -> Rules {
         Rules {
-            sink: SINK,
+            sink: self.sink,
             group: GROUP,
             tail: self.min_tail,
             tail_max: self.max_tail,
@@ -332,6 +341,6 @@ impl CacheConfig {
 
     /// Pool slots one sequence of `max_tokens` can fill.
     pub fn slots_per_sequence(&self) -> usize {
-        self.layers * self.max_tokens.saturating_sub(SINK).div_ceil(GROUP)
+        self.layers * self.max_tokens.saturating_sub(self.sink).div_ceil(GROUP)
     }
 }

@@ -9,7 +9,7 @@
 //! validates and reserves what it needs before it changes anything, so a failed call leaves the
 //! cache as it was.
 
-use super::config::{CacheConfig, SINK};
+use super::config::CacheConfig;
 use super::pool::{RecordPool, SlotId};
 use super::staging::RowCodec;
 use super::{CacheError, CacheResult};
@@ -70,7 +70,7 @@ pub(crate) struct LayerJournal {
     /// (journal state the `SJKVSEQ` stream carries).
     pub(crate) sealed_prev: usize,
     pub(crate) draining: bool,
-    /// `[SINK][kv_heads][D]`, rotated frame.
+    /// `[sink][kv_heads][D]`, rotated frame.
     pub(crate) sink_k: Vec<f16>,
     pub(crate) sink_v: Vec<f16>,
     /// `[ring_rows][kv_heads][K, V][row_bytes]`.
@@ -79,9 +79,9 @@ pub(crate) struct LayerJournal {
 }
 
 impl LayerJournal {
-    /// First position held by the ring.
-    pub(crate) fn ring_start(&self) -> usize {
-        SINK + GROUP * self.sealed
+    /// First position held by the ring of a cache whose sink is `sink` positions.
+    pub(crate) fn ring_start(&self, sink: usize) -> usize {
+        sink + GROUP * self.sealed
     }
 
     pub(crate) fn state(&self) -> LayerState {
@@ -128,7 +128,7 @@ pub struct LayerImage {
     pub sealed: usize,
     pub sealed_prev: usize,
     pub draining: bool,
-    /// `[SINK][kv_heads][head_dim]` fp16 bits, rotated frame.
+    /// `[sink][kv_heads][head_dim]` fp16 bits, rotated frame.
     pub sink_k: Vec<u16>,
     pub sink_v: Vec<u16>,
     /// `[ring_rows][kv_heads][K, V][row_bytes]`.
@@ -154,13 +154,14 @@ impl Drop for Sequence {
     }
 }
 
-/// Positions `(sink, body, ring)` of a layer with `len` tokens and `sealed` groups.
-pub fn regions_at(len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
-    let sink_end = len.min(SINK);
-    let body_end = if len <= SINK {
+/// Positions `(sink, body, ring)` of a layer with `len` tokens and `sealed` groups after a
+/// `sink`-position sink.
+pub fn regions_at(sink: usize, len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
+    let sink_end = len.min(sink);
+    let body_end = if len <= sink {
         sink_end
     } else {
-        SINK + GROUP * sealed
+        sink + GROUP * sealed
     };
     [0..sink_end, sink_end..body_end, body_end..len]
 }
@@ -194,8 +195,8 @@ impl Sequence {
                 sealed: 0,
                 sealed_prev: 0,
                 draining: false,
-                sink_k: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
-                sink_v: zeroed(SINK * per_pos, f16::ZERO, "fp16 sink")?,
+                sink_k: zeroed(config.sink * per_pos, f16::ZERO, "fp16 sink")?,
+                sink_v: zeroed(config.sink * per_pos, f16::ZERO, "fp16 sink")?,
                 ring: zeroed_bytes(ring, "staging ring")?,
                 blocks: Vec::new(),
             });
@@ -252,7 +253,7 @@ impl Sequence {
     /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
     pub fn regions(&self, layer: usize) -> CacheResult<[std::ops::Range<usize>; 3]> {
         let l = self.layer(layer)?;
-        Ok(regions_at(l.len, l.sealed))
+        Ok(regions_at(self.config.sink, l.len, l.sealed))
     }
 
     /// How many tokens the next append to `layer` runs as one ubatch (a seal can only run at
@@ -263,7 +264,7 @@ impl Sequence {
     }
 
     fn ring_index(&self, pos: usize) -> usize {
-        (pos - SINK) % self.config.ring_rows()
+        (pos - self.config.sink) % self.config.ring_rows()
     }
 
     fn ring_row_range(&self, pos: usize, head: usize, value: bool) -> std::ops::Range<usize> {
@@ -302,7 +303,7 @@ impl Sequence {
         rotated: bool,
     ) -> CacheResult<()> {
         let cfg = self.config.clone();
-        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let (h, d, sink) = (cfg.kv_heads, cfg.head_dim, cfg.sink);
         let per_tok = h * d;
         let l = self.layer(layer)?;
         if k.len() % per_tok != 0 || v.len() != k.len() {
@@ -328,7 +329,7 @@ impl Sequence {
         let rb = self.rows.row_bytes();
         let mut sink_k = Vec::new();
         let mut sink_v = Vec::new();
-        let ring_tokens = (start + n).saturating_sub(SINK.max(start));
+        let ring_tokens = (start + n).saturating_sub(sink.max(start));
         let mut staged = vec![0u8; ring_tokens * h * 2 * rb];
         let mut rot = vec![0.0f32; d];
         for t in 0..n {
@@ -339,7 +340,7 @@ impl Sequence {
                     if !rotated {
                         rotate_heads(&mut rot, d)?;
                     }
-                    if pos < SINK {
+                    if pos < sink {
                         let dst = if value { &mut sink_v } else { &mut sink_k };
                         for &xv in &rot {
                             let hv = f16::from_f32(xv);
@@ -353,7 +354,7 @@ impl Sequence {
                             dst.push(hv);
                         }
                     } else {
-                        let row = ((pos - SINK.max(start)) * h + head) * 2 + value as usize;
+                        let row = ((pos - sink.max(start)) * h + head) * 2 + value as usize;
                         self.rows
                             .encode(&rot, &mut staged[row * rb..(row + 1) * rb])?;
                     }
@@ -374,7 +375,7 @@ impl Sequence {
         for c in &plan {
             let staged_rows = Some(StagedRows {
                 bytes: &staged,
-                first: SINK.max(start),
+                first: sink.max(start),
             });
             match self.encode_groups(layer, from, c.state.sealed, staged_rows) {
                 Ok(records) => sealed_records.push(records),
@@ -398,13 +399,13 @@ impl Sequence {
             for t in written..written + c.take {
                 let pos = start + t;
                 let lj = &mut self.layers[layer];
-                if pos < SINK {
+                if pos < sink {
                     let at = pos * per_tok;
                     let src = t * per_tok;
                     lj.sink_k[at..at + per_tok].copy_from_slice(&sink_k[src..src + per_tok]);
                     lj.sink_v[at..at + per_tok].copy_from_slice(&sink_v[src..src + per_tok]);
                 } else {
-                    let r = pos - SINK.max(start);
+                    let r = pos - sink.max(start);
                     for head in 0..h {
                         for value in [false, true] {
                             let row = (r * h + head) * 2 + value as usize;
@@ -447,7 +448,7 @@ impl Sequence {
                 for head in 0..h {
                     super::faults::check_record()?;
                     for t in 0..GROUP {
-                        let pos = SINK + g * GROUP + t;
+                        let pos = cfg.sink + g * GROUP + t;
                         for (value, tile) in [(false, &mut kt), (true, &mut vt)] {
                             let out = &mut tile[t * d..(t + 1) * d];
                             match staged {
@@ -594,11 +595,11 @@ impl Sequence {
         let slot = config.slot_bytes();
         for (i, img) in images.iter().enumerate() {
             let l = &seq.layers[i];
-            let body_end = SINK + GROUP * img.sealed;
+            let body_end = config.sink + GROUP * img.sealed;
             let bad = img.len > config.max_tokens
                 || (img.sealed > 0 && body_end > img.len)
                 || img.sealed_prev > img.sealed
-                || img.len.saturating_sub(body_end.max(SINK)) > config.ring_rows()
+                || img.len.saturating_sub(body_end.max(config.sink)) > config.ring_rows()
                 || img.sink_k.len() != l.sink_k.len()
                 || img.sink_v.len() != l.sink_v.len()
                 || img.ring.len() != l.ring.len()
@@ -654,12 +655,12 @@ pub fn memory_report(
 ) -> MemoryReport {
     let rows = RowCodec::new(cfg.staging, cfg.head_dim);
     let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
-    let sink_bytes = cfg.layers * SINK * per_pos_values * 2;
+    let sink_bytes = cfg.layers * cfg.sink * per_pos_values * 2;
     let (mut bits, mut values) = (0.0f64, 0.0f64);
     let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
     for (i, &(len, sealed)) in layers.iter().enumerate() {
         let spec = cfg.body_codec(i);
-        let sink = len.min(SINK);
+        let sink = len.min(cfg.sink);
         let body = sealed * GROUP;
         let ring = len - sink - body;
         bits += sink as f64 * 16.0

@@ -18,7 +18,7 @@
 //! Files are written to a temporary name, synced, then renamed, so an interrupted save never
 //! replaces a good file.
 
-use super::config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
+use super::config::{CacheConfig, LayerCoding, SinkType, Staging};
 use super::pool::{RecordPool, SlotId};
 use super::sequence::Sequence;
 use super::staging::RowCodec;
@@ -130,6 +130,7 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
         w.u64(v);
     }
     w.u8((c.sink_type == SinkType::Inherit) as u8);
+    w.u64(c.sink);
     w.u8(match c.staging {
         Staging::Tq6 => 0,
         Staging::Q8_0 => 1,
@@ -164,6 +165,7 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         1 => SinkType::Inherit,
         _ => return Err(corrupt("unknown sink type")),
     };
+    let sink = r.u64()?;
     let staging = match r.u8()? {
         0 => Staging::Tq6,
         1 => Staging::Q8_0,
@@ -229,6 +231,7 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         max_tokens,
         balance,
         staging,
+        sink,
         sink_type,
         key_schedules,
     };
@@ -280,7 +283,7 @@ impl CacheConfig {
             head_dim: self.head_dim as u32,
             n_head_kv: self.kv_heads as u32,
             group: GROUP as u32,
-            sink: SINK as u32,
+            sink: self.sink as u32,
             sink_type: match self.sink_type {
                 SinkType::F16 => journal::state::SINK_F16,
                 SinkType::Inherit => journal::state::SINK_INHERIT,
@@ -333,8 +336,8 @@ impl Sequence {
         let header = StateHeader {
             identity,
             n: first.len as u32,
-            b: (SINK + GROUP * first.sealed) as u32,
-            b_prev: (SINK + GROUP * first.sealed_prev) as u32,
+            b: (cfg.sink + GROUP * first.sealed) as u32,
+            b_prev: (cfg.sink + GROUP * first.sealed_prev) as u32,
             draining: first.draining as u32,
         };
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
@@ -359,7 +362,7 @@ impl Sequence {
             }
             StateItem::TailRow { layer, pos, head } => {
                 let l = &self.layers[layers[layer as usize]];
-                let slot = (pos as usize - SINK) % ring_rows;
+                let slot = (pos as usize - cfg.sink) % ring_rows;
                 let at = (slot * h + head as usize) * 2 * stage;
                 dst.copy_from_slice(&l.ring[at..at + 2 * stage]);
             }
@@ -394,7 +397,10 @@ impl Sequence {
         let (identity, record_bytes, stage) = config.state_identity_of(layers);
         let info = journal::peek(bytes)?;
         journal::check_identity(&info, &identity, record_bytes, stage)?;
-        let groups_cap = config.max_tokens.saturating_sub(SINK).div_ceil(GROUP);
+        let groups_cap = config
+            .max_tokens
+            .saturating_sub(config.sink)
+            .div_ceil(GROUP);
         info.check_capacity(
             config.max_tokens as u32,
             groups_cap as u32,
@@ -428,7 +434,7 @@ impl Sequence {
             }
             StateItem::TailRow { layer, pos, head } => {
                 let l = &mut journals[layers[layer as usize]];
-                let slot = (pos as usize - SINK) % ring_rows;
+                let slot = (pos as usize - config.sink) % ring_rows;
                 let at = (slot * h + head as usize) * 2 * stage;
                 l.ring[at..at + 2 * stage].copy_from_slice(src);
             }

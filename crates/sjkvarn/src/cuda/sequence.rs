@@ -174,7 +174,10 @@ fn layer_layout(config: &CacheConfig, layer: usize) -> CudaResult<RecordLayout> 
     let lc = &config.layer_coding[layer];
     let body = match (lc.k_coding, lc.v_coding) {
         (BodyCoding::Scalar, BodyCoding::Scalar) => Body::Scalar,
-        (BodyCoding::Trellis(_), BodyCoding::Trellis(_)) => Body::Trellis,
+        (
+            BodyCoding::Trellis(crate::body::TrellisAxis::Token),
+            BodyCoding::Trellis(crate::body::TrellisAxis::Token),
+        ) => Body::Trellis,
         (k, v) => {
             return Err(CudaError::Unsupported(format!(
                 "layer {layer} codes K as {k:?} and V as {v:?}; the device kernels seal \
@@ -211,6 +214,25 @@ impl DeviceSequence {
     /// query groups with a kernel; anything else is refused here, up front.
     pub fn new(config: Arc<CacheConfig>, pool: Arc<DevicePool>) -> CudaResult<Self> {
         config.validate()?;
+        if config.sink != SINK {
+            return Err(CudaError::Unsupported(format!(
+                "sink {} (the device kernels keep a {SINK}-position sink)",
+                config.sink
+            )));
+        }
+        let reference_codec = |l: usize| {
+            matches!(
+                config.body_codec(l),
+                crate::codec::BodyCodec::Reference { .. }
+            )
+        };
+        if !(0..config.layers).all(reference_codec) {
+            return Err(CudaError::Unsupported(
+                "balancing settings other than the format's (final, std): the device kernels \
+                 seal reference records only"
+                    .into(),
+            ));
+        }
         if config.staging != Staging::Tq6 {
             return Err(CudaError::Unsupported(format!(
                 "staging {:?} (the device ring is tq6_0)",
@@ -299,7 +321,7 @@ impl DeviceSequence {
     /// Positions `(sink, body, ring)` of `layer`.
     pub fn regions(&self, layer: usize) -> CudaResult<[std::ops::Range<usize>; 3]> {
         let l = self.layer(layer)?;
-        Ok(regions_at(l.len, l.sealed))
+        Ok(regions_at(SINK, l.len, l.sealed))
     }
 
     /// Tokens the next append to `layer` can take with no seal inside it.
