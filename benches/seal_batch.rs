@@ -33,7 +33,7 @@ fn main() {
     ];
     println!("sealing {records} records (K and V tiles of {GROUP}x{d}) = one Qwen3.8-27B batch");
     for (name, kb, vb, kc, vc) in arms {
-        let codec = BodyCodec::for_layer(d, kb, vb, kc, vc, BalanceConfig::default(), &[]).unwrap();
+        let codec = BodyCodec::for_layer(d, kb, vb, kc, vc, BalanceConfig::default()).unwrap();
         let threads_to_try: &[usize] = if kc == BodyCoding::Scalar {
             &[1, 2]
         } else {

@@ -7,7 +7,7 @@
 //! sequence is just its stream id and length. After every step the touched sequence must have:
 //! - the model's length in every layer, and regions that add up (sink = min(len, 128), body =
 //!   whole groups, ring <= max_tail + max_chunk);
-//! - its fp16 sink equal to fp16(content), its newest ring rows within the 6-bit staging error of
+//! - its fp16 sink equal to fp16(rotated content), its newest ring rows within the 6-bit staging error of
 //!   the content, and sealed records that decode close to the content (no lost or misplaced data);
 //! - attention bit-identical to the same state restored from its snapshot.
 //!
@@ -19,7 +19,6 @@ use sjkvarn::body::BodyCoding;
 use sjkvarn::cache::attention::attend;
 use sjkvarn::cache::staging::RowCodec;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
-use sjkvarn::gtq::KeySchedule;
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -82,23 +81,14 @@ fn config() -> Arc<CacheConfig> {
     c.min_tail = 256;
     c.max_tail = 512;
     c.max_chunk = 128;
-    // Layer 1: Block-GTQ K3V2 keys with a fixed schedule (louder blocks 0 and 3 get more bits).
+    // Layer 1: the reference 3/2 trellis body (layer 0 stays 4/4 scalar).
+    let t = BodyCoding::Trellis(sjkvarn::body::TrellisAxis::Token);
     c.layer_coding[1] = LayerCoding {
         k_bits: 3,
         v_bits: 2,
-        k_coding: BodyCoding::RopeBlocks,
-        v_coding: BodyCoding::Scalar,
+        k_coding: t,
+        v_coding: t,
     };
-    let mut bits = vec![3u32; D / 2];
-    bits[3] = 6;
-    bits[0] = 4;
-    bits[10] = 1;
-    bits[11] = 1;
-    bits[12] = 1;
-    bits[13] = 2;
-    bits[5] = 6;
-    let schedule = KeySchedule::new(D, bits).expect("schedule");
-    c.key_schedules = vec![Vec::new(), vec![schedule; KV]];
     c.validate().expect("valid soak configuration");
     Arc::new(c)
 }
@@ -161,7 +151,7 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
             let rb = codec.record_bytes();
             let h = rng.next_u64() as usize % KV;
             let rec = &img.records[g * cfg.slot_bytes() + h * rb..][..rb];
-            let (kk, vv) = codec.decode_model_frame(h, rec).unwrap();
+            let (kk, vv) = codec.decode_model_frame(rec).unwrap();
             let (k, v) = content(live.stream, layer, SINK + g * 128, 128);
             let pick = |x: &[f32]| -> Vec<f32> {
                 (0..128)

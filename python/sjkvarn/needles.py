@@ -68,7 +68,7 @@ def build_cases(tokenizer: Any, haystacks: list[History], s: NeedleSettings) -> 
 def evaluate_needles(
     model: Any, tokenizer: Any, haystacks: list[History], s: NeedleSettings, progress: bool = True
 ) -> dict[str, Any]:
-    arms = evaluation.resolve_block_gtq(s.select_arms(), model, tokenizer)
+    arms = s.select_arms()
     cases = build_cases(tokenizer, haystacks, s)
     kl: dict[str, list[float]] = {a.name: [] for a in arms}
     hit: dict[str, list[bool]] = {a.name: [] for a in arms}

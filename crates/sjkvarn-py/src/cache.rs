@@ -11,7 +11,6 @@ use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType, Staging,
 };
-use sjkvarn::gtq::KeySchedule;
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,7 +57,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, key_schedules=None, flush_chunk=0, sink_type="f16", sink=128))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -74,7 +73,6 @@ impl CacheSpec {
         mode: &str,
         stat: &str,
         staging: &str,
-        key_schedules: Option<Vec<Vec<Vec<u32>>>>,
         flush_chunk: usize,
         sink_type: &str,
         sink: usize,
@@ -88,7 +86,6 @@ impl CacheSpec {
             (min_tail, max_tail, max_chunk, max_tokens),
             (passes, mode, stat),
             staging,
-            key_schedules,
         )?;
         config.flush_chunk = flush_chunk;
         config.sink = sink;
@@ -117,7 +114,6 @@ fn coding_name(c: sjkvarn::body::BodyCoding) -> &'static str {
         BodyCoding::Scalar => "scalar",
         BodyCoding::Trellis(TrellisAxis::Token) => "trellis",
         BodyCoding::Trellis(TrellisAxis::Channel) => "trellis-channel",
-        BodyCoding::RopeBlocks => "rope-blocks",
     }
 }
 
@@ -173,12 +169,6 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
             "f16"
         },
     )?;
-    let schedules: Vec<Vec<Vec<u32>>> = c
-        .key_schedules
-        .iter()
-        .map(|heads| heads.iter().map(|s| s.block_bits().to_vec()).collect())
-        .collect();
-    d.set_item("key_schedules", schedules)?;
     d.set_item("reference_format", c.is_reference())?;
     Ok(d)
 }
@@ -194,7 +184,6 @@ fn build_config(
     (min_tail, max_tail, max_chunk, max_tokens): (usize, usize, usize, usize),
     (passes, mode, stat): (u32, &str, &str),
     staging: &str,
-    key_schedules: Option<Vec<Vec<Vec<u32>>>>,
 ) -> PyResult<CacheConfig> {
     let layer_coding = layer_coding
         .iter()
@@ -228,7 +217,7 @@ fn build_config(
             }
         },
     };
-    let mut config = CacheConfig {
+    let config = CacheConfig {
         layers,
         q_heads,
         kv_heads,
@@ -243,20 +232,7 @@ fn build_config(
         staging: Staging::from_name(staging).map_err(err)?,
         sink: sjkvarn::cache::SINK,
         sink_type: SinkType::F16,
-        key_schedules: Vec::new(),
     };
-    if let Some(layers) = key_schedules {
-        config.key_schedules = layers
-            .into_iter()
-            .map(|heads| {
-                heads
-                    .into_iter()
-                    .map(|bits| KeySchedule::new(config.head_dim, bits))
-                    .collect::<sjkvarn::Result<Vec<_>>>()
-            })
-            .collect::<sjkvarn::Result<Vec<_>>>()
-            .map_err(|e| CacheError::new_err(e.to_string()))?;
-    }
     config.validate().map_err(err)?;
     Ok(config)
 }

@@ -94,10 +94,8 @@ pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
         "scalar" => Ok(BodyCoding::Scalar),
         "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
         "trellis-channel" => Ok(BodyCoding::Trellis(TrellisAxis::Channel)),
-        "rope-blocks" => Ok(BodyCoding::RopeBlocks),
         _ => Err(CodecError::new_err(format!(
-            "body must be 'scalar', 'trellis' (token axis), 'trellis-channel' or (keys) \
-             'rope-blocks', got '{name}'"
+            "body must be 'scalar', 'trellis' (token axis) or 'trellis-channel', got '{name}'"
         ))),
     }
 }
@@ -113,7 +111,7 @@ fn body_codec(
     balance: BalanceConfig,
 ) -> PyResult<BodyCodec> {
     let (k, v) = (coding(k_body)?, coding(v_body)?);
-    BodyCodec::for_layer(head_dim, k_bits, v_bits, k, v, balance, &[]).map_err(err)
+    BodyCodec::for_layer(head_dim, k_bits, v_bits, k, v, balance).map_err(err)
 }
 
 fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
@@ -309,77 +307,6 @@ fn to_float32<'py>(
     Ok((PyBytes::new(py, &bytes), host.shape))
 }
 
-/// Block-GTQ allocation: widths 1..8 per RoPE block summing to `budget` that minimise
-/// `sum(score * 4^-bits)` (largest marginal gain).
-#[pyfunction]
-fn gtq_allocate(scores: Vec<f64>, budget: u32) -> PyResult<Vec<u32>> {
-    sjkvarn::gtq::allocate(&scores, budget).map_err(err)
-}
-
-/// Seals keys `[n, head_dim]` (model frame, n a multiple of 128) into body records at `k_bits`
-/// and decodes them back, as the cache would: with `block_bits` (one width per RoPE block) in
-/// the Block-GTQ frame, else in the Hadamard frame of the scalar body. Values are zero. Returns
-/// the decoded keys as little-endian float32 bytes.
-#[pyfunction]
-#[pyo3(signature = (k, k_bits, block_bits=None, passes=16))]
-fn gtq_roundtrip_keys<'py>(
-    py: Python<'py>,
-    k: &Bound<'py, PyAny>,
-    k_bits: u32,
-    block_bits: Option<Vec<u32>>,
-    passes: u32,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let host = read_f32(k, "k")?;
-    let (n, d) = match host.shape.as_slice() {
-        [n, d] if n % GROUP == 0 && *n > 0 => (*n, *d),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "k: expected [n, head_dim] with n a multiple of {GROUP}, got {other:?}"
-            )))
-        }
-    };
-    let balance = BalanceConfig {
-        passes,
-        ..BalanceConfig::default()
-    };
-    let out = py.detach(|| -> sjkvarn::Result<Vec<f32>> {
-        let schedule = match block_bits {
-            Some(bits) => Some(sjkvarn::gtq::KeySchedule::new(d, bits)?),
-            None => None,
-        };
-        let coding = if schedule.is_some() {
-            BodyCoding::RopeBlocks
-        } else {
-            BodyCoding::Scalar
-        };
-        let spec = BodySpec::new(d, k_bits, 8)?.with_coding(coding, BodyCoding::Scalar)?;
-        let zeros = vec![0.0f32; GROUP * d];
-        let mut rec = vec![0u8; spec.record_bytes()];
-        let mut out = Vec::with_capacity(n * d);
-        for tile in host.values.chunks_exact(GROUP * d) {
-            let mut rot = tile.to_vec();
-            sjkvarn::hadamard::rotate_rows(&mut rot, d)?;
-            match &schedule {
-                Some(s) => {
-                    sjkvarn::gtq::encode_record(&spec, s, &rot, &zeros, &balance, &mut rec)?;
-                    out.extend(sjkvarn::gtq::decode_keys(&spec, s, &rec)?);
-                }
-                None => {
-                    spec.encode_rotated(&rot, &zeros, &balance, &mut rec)?;
-                    let (mut kk, mut vv) = (vec![0.0f32; GROUP * d], vec![0.0f32; GROUP * d]);
-                    spec.decode_rotated(&rec, &mut kk, &mut vv)?;
-                    sjkvarn::hadamard::rotate_rows(&mut kk, d)?;
-                    out.extend(kk);
-                }
-            }
-        }
-        Ok(out)
-    });
-    let out = out.map_err(err)?;
-    let bytes: Vec<u8> = out.iter().flat_map(|v| v.to_le_bytes()).collect();
-    Ok(PyBytes::new(py, &bytes))
-}
-
 /// Test hook: every seal record encode after the next `after` fails (`None` disarms). For the
 /// tests that check a failed seal leaves a cache as it was, on the CPU and on a GPU.
 #[pyfunction]
@@ -424,8 +351,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_trellis, m)?)?;
     m.add_function(wrap_pyfunction!(decode_trellis_into, m)?)?;
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
-    m.add_function(wrap_pyfunction!(gtq_allocate, m)?)?;
-    m.add_function(wrap_pyfunction!(gtq_roundtrip_keys, m)?)?;
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     m.add_class::<cache::CacheSpec>()?;
     Ok(())

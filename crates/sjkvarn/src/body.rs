@@ -44,10 +44,6 @@ pub enum TrellisAxis {
 pub enum BodyCoding {
     Scalar,
     Trellis(TrellisAxis),
-    /// Keys only: Block-GTQ, per-RoPE-block widths from a [`crate::gtq::KeySchedule`] whose mean
-    /// is `k_bits` (scalar rounding, variable width per channel). Records need the schedule to
-    /// encode or decode, so the plain `encode`/`decode` calls refuse them.
-    RopeBlocks,
 }
 
 /// Geometry of a body record: head size, K/V bit widths and K/V coding.
@@ -91,7 +87,7 @@ impl TileLayout {
     /// K tiles have channels as rows; V tiles have tokens as rows.
     fn of(coding: BodyCoding, is_key: bool) -> Self {
         match (coding, is_key) {
-            (BodyCoding::Scalar, _) | (BodyCoding::RopeBlocks, _) => TileLayout::Scalar,
+            (BodyCoding::Scalar, _) => TileLayout::Scalar,
             (BodyCoding::Trellis(TrellisAxis::Token), true) => TileLayout::RunsAlongRows,
             (BodyCoding::Trellis(TrellisAxis::Token), false) => TileLayout::RunsAlongCols,
             (BodyCoding::Trellis(TrellisAxis::Channel), true) => TileLayout::RunsAlongCols,
@@ -132,17 +128,6 @@ impl BodySpec {
             if let BodyCoding::Trellis(_) = coding {
                 trellis::shipped(bits)?;
             }
-        }
-        if v_coding == BodyCoding::RopeBlocks {
-            return Err(CodecError::InvalidSetting(
-                "RoPE-block coding applies to keys only".into(),
-            ));
-        }
-        if k_coding == BodyCoding::RopeBlocks && self.head_dim > 256 {
-            return Err(CodecError::InvalidSetting(format!(
-                "RoPE-block key coding needs head_dim <= 256, got {}",
-                self.head_dim
-            )));
         }
         Ok(Self {
             k_coding,
@@ -401,42 +386,6 @@ fn read_f32s(bytes: &[u8], n: usize) -> Vec<f32> {
 }
 
 impl BodySpec {
-    fn refuse_rope_blocks(&self) -> Result<()> {
-        if self.k_coding == BodyCoding::RopeBlocks {
-            return Err(CodecError::InvalidSetting(
-                "RoPE-block keys need their key schedule (sjkvarn::gtq)".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The value half of a single-half record (head_dim <= 256) from rotated V `[G][head_dim]`:
-    /// writes the V codes and returns `(a_v, z_v, s_v)`. Shared with the RoPE-block key coding.
-    pub(crate) fn encode_value_half(
-        &self,
-        v: &[f32],
-        config: &BalanceConfig,
-        v_codes: &mut [u8],
-    ) -> Result<(Vec<f16>, Vec<f16>, Vec<f16>)> {
-        let r = self.width();
-        let s_v = column_scales(v, GROUP, r, config);
-        let xv = divide_columns(v, r, &s_v);
-        let v_layout = TileLayout::of(self.v_coding, false);
-        let RowAffine { a, z } = encode_tile(&xv, r, self.v_bits, v_layout, v_codes)?;
-        Ok((a, z, s_v))
-    }
-
-    /// A single-half record's values and key metadata, with no key units (the caller decodes
-    /// the key codes).
-    pub(crate) fn decode_value_half(&self, record: &[u8]) -> Result<DecodedHalf> {
-        if self.halves() != 1 {
-            return Err(CodecError::InvalidSetting(
-                "value-only decoding needs a single-half record (head_dim <= 256)".into(),
-            ));
-        }
-        self.decode_sub_record(record, 0, false)
-    }
-
     /// Half `half` of a record: metadata, values and (with `keys`) the key units.
     fn decode_sub_record(&self, record: &[u8], half: usize, keys: bool) -> Result<DecodedHalf> {
         if record.len() != self.record_bytes() || half >= self.halves() {
@@ -500,7 +449,6 @@ impl BodySpec {
         self.check_tile("K tile", k)?;
         self.check_tile("V tile", v)?;
         config.validate()?;
-        self.refuse_rope_blocks()?;
         if out.len() != self.record_bytes() {
             return Err(CodecError::LengthMismatch {
                 what: "record buffer",
@@ -590,7 +538,6 @@ impl BodySpec {
     /// `K[t, c] = (k_units[c*G + t] * a_k[c] + z_k[c]) * s_k[t]`,
     /// `V[t, c] = (v_units[t*R + c] * a_v[t] + z_v[t]) * s_v[c]` (rotated frame, `c < R`).
     pub fn decode_half(&self, record: &[u8], half: usize) -> Result<DecodedHalf> {
-        self.refuse_rope_blocks()?;
         self.decode_sub_record(record, half, true)
     }
 

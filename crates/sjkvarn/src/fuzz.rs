@@ -7,7 +7,6 @@ use crate::cache::attention::attend;
 use crate::cache::snapshot::fnv1a64;
 use crate::cache::{CacheConfig, LayerCoding, Sequence, Staging};
 use crate::format::{decode_into, BlockFormat};
-use crate::gtq::KeySchedule;
 use crate::rng::SplitMix64;
 use std::sync::Arc;
 
@@ -74,33 +73,29 @@ pub fn target_records(input: &[u8]) -> Result<Outcome, String> {
                 BodyCoding::Scalar,
                 BodyCoding::Trellis(TrellisAxis::Token),
                 BodyCoding::Trellis(TrellisAxis::Channel),
-                BodyCoding::RopeBlocks,
             ];
             let (kc, vc) = (b.pick(&codings), b.pick(&codings));
-            let spec = match BodySpec::new(d, kb, vb).and_then(|s| s.with_coding(kc, vc)) {
-                Ok(s) => s,
-                Err(e) => return Ok(format!("spec err {}", variant(&e.to_string()))),
+            // Reference records wherever the reference defines the coding, extensions otherwise.
+            let codec = match crate::codec::BodyCodec::for_layer(
+                d,
+                kb,
+                vb,
+                kc,
+                vc,
+                crate::BalanceConfig::default(),
+            ) {
+                Ok(c) => c,
+                Err(e) => return Ok(format!("codec err {}", variant(&e.to_string()))),
             };
             let mut record = b.rest().to_vec();
             if kind != 3 {
-                record.resize(spec.record_bytes(), 0x5a); // reach the decoders, not the length check
+                record.resize(codec.record_bytes(), 0x5a); // reach the decoders, not the length check
             }
-            if kc == BodyCoding::RopeBlocks {
-                let bits: Vec<u32> = (0..d / 2)
-                    .map(|i| 1 + (record.get(i).copied().unwrap_or(0) % 8) as u32)
-                    .collect();
-                let schedule = match KeySchedule::new(d, bits) {
-                    Ok(s) => s,
-                    Err(e) => return Ok(format!("schedule err {}", variant(&e.to_string()))),
-                };
-                return Ok(match crate::gtq::decode_record(&spec, &schedule, &record) {
-                    Ok(_) => "gtq ok".into(),
-                    Err(e) => format!("gtq err {}", variant(&e.to_string())),
-                });
+            if let Err(e) = codec.halves(&record) {
+                return Ok(format!("halves err {}", variant(&e.to_string())));
             }
-            let (mut k, mut v) = (vec![0.0f32; GROUP * d], vec![0.0f32; GROUP * d]);
-            Ok(match spec.decode_rotated(&record, &mut k, &mut v) {
-                Ok(()) => format!("body {kc:?}/{vc:?} ok"),
+            Ok(match codec.decode_model_frame(&record) {
+                Ok(_) => format!("body {kc:?}/{vc:?} ok"),
                 Err(e) => format!("body err {}", variant(&e.to_string())),
             })
         }
@@ -165,7 +160,7 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     let coding = b.pick(&[
         BodyCoding::Scalar,
         BodyCoding::Trellis(TrellisAxis::Token),
-        BodyCoding::RopeBlocks,
+        BodyCoding::Trellis(TrellisAxis::Channel),
     ]);
     let mut config = CacheConfig::uniform(layers, q, kv, d, LayerCoding::scalar(kb, vb), 4096);
     for lc in config.layer_coding.iter_mut() {
@@ -177,12 +172,6 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     config.max_tokens = b.pick(&[0usize, 200, 1500, 4096]);
     config.staging = b.pick(&[Staging::Tq6, Staging::Q8_0, Staging::F16]);
     config.balance.passes = b.pick(&[0u32, 2, 16, 5000]);
-    if coding == BodyCoding::RopeBlocks && d % 2 == 0 && d > 0 {
-        let per_layer: Vec<KeySchedule> = (0..kv)
-            .filter_map(|_| KeySchedule::new(d, vec![kb; d / 2]).ok())
-            .collect();
-        config.key_schedules = vec![per_layer; layers];
-    }
     if let Err(e) = config.validate() {
         return Ok(format!("config err {}", variant(&e.to_string())));
     }

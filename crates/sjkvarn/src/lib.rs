@@ -17,7 +17,6 @@ pub mod format;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod ggml;
-pub mod gtq;
 pub mod hadamard;
 pub mod journal;
 pub mod kernel_abi;

@@ -83,7 +83,7 @@ pub fn encode_records(
             .zip(k.par_chunks(tile).zip(v.par_chunks(tile)))
             .try_for_each_init(
                 || codec.sealer(),
-                |sealer, (rec, (kt, vt))| sealer.seal(0, &seal_input(kt)?, &seal_input(vt)?, rec),
+                |sealer, (rec, (kt, vt))| sealer.seal(&seal_input(kt)?, &seal_input(vt)?, rec),
             )
     })??;
     Ok(out)
@@ -122,7 +122,7 @@ pub fn decode_records(
             .par_chunks(rb)
             .zip(k.par_chunks_mut(tile).zip(v.par_chunks_mut(tile)))
             .try_for_each(|(rec, (kt, vt))| {
-                let (kk, vv) = codec.decode_model_frame(0, rec)?;
+                let (kk, vv) = codec.decode_model_frame(rec)?;
                 kt.copy_from_slice(&kk);
                 vt.copy_from_slice(&vv);
                 if rotated {
@@ -158,16 +158,7 @@ mod tests {
     }
 
     fn codec(d: usize, k: u32, v: u32, balance: BalanceConfig) -> BodyCodec {
-        BodyCodec::for_layer(
-            d,
-            k,
-            v,
-            BodyCoding::Scalar,
-            BodyCoding::Scalar,
-            balance,
-            &[],
-        )
-        .unwrap()
+        BodyCodec::for_layer(d, k, v, BodyCoding::Scalar, BodyCoding::Scalar, balance).unwrap()
     }
 
     #[test]

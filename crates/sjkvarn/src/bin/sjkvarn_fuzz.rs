@@ -2,7 +2,7 @@
 //! nightly toolchain; this runs on stable, in CI, for a bounded time).
 //!
 //! Targets:
-//! - `records`: decoding of every flat format, body records (scalar, trellis, Block-GTQ keys)
+//! - `records`: decoding of every flat format, body records (reference scalar and trellis, extensions)
 //!   and trellis runs from arbitrary bytes;
 //! - `snapshot`: `Sequence::from_snapshot` on mutated snapshots (checksum fixed up half the
 //!   time, so the parser behind it is reached);

@@ -4,8 +4,7 @@
 //!
 //! Frames: the sink, the body records and the ring rows are all Hadamard-rotated, as the
 //! reference stores them, so they are scored with the rotated query `q' = H q` and the value sum
-//! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`). Block-GTQ keys are
-//! scored in their schedule's frame; their values are in the Hadamard frame like the rest.
+//! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`).
 //!
 //! Each query row is processed on its own, in a fixed block order (sink, groups, ring blocks
 //! aligned to 128 positions), and masked positions are skipped, not zeroed: a row's output does
@@ -260,31 +259,15 @@ pub fn attend(
 
             // Body records (rotated frame, absorbed scales).
             let rb = codec.record_bytes();
-            let schedule = codec.key_schedule(h);
-            let q_keyed: Option<Vec<f32>> = schedule.map(|s| {
-                let mut out = vec![0.0f32; n * gs * d];
-                for i in 0..n {
-                    for j in 0..gs {
-                        let at = (i * gs + j) * d;
-                        s.forward(ctx.query(false, i, j), &mut out[at..at + d]);
-                    }
-                }
-                out
-            });
             for (g, &slot) in lj.blocks.iter().enumerate() {
                 let first = cfg.sink + g * GROUP;
                 let bytes = seq.pool().get(slot);
                 let record = &bytes[h * rb..(h + 1) * rb];
-                let halves = codec.halves(h, record)?;
+                let halves = codec.halves(record)?;
                 for i in 0..n {
                     let visible = ctx.visible(i, first, GROUP);
                     for j in 0..gs {
-                        // Keys are scored in the record's frame: the Hadamard frame, or the
-                        // Block-GTQ schedule's frame for RoPE-block keys.
-                        let qv = match &q_keyed {
-                            Some(qk) => &qk[(i * gs + j) * d..(i * gs + j + 1) * d],
-                            None => ctx.query(true, i, j),
-                        };
+                        let qv = ctx.query(true, i, j);
                         logits[..visible].fill(0.0);
                         for (half, hd) in halves.iter().enumerate() {
                             add_key_scores(

@@ -4,7 +4,6 @@ use super::{CacheError, CacheResult};
 use crate::balance::BalanceConfig;
 use crate::body::{BodyCoding, GROUP};
 use crate::codec::BodyCodec;
-use crate::gtq::KeySchedule;
 use crate::journal::Rules;
 
 /// Default sink: positions kept in fp16 at the start of every sequence (the reference's 128).
@@ -102,10 +101,6 @@ pub struct CacheConfig {
     /// Leading positions kept exact (the reference's `sink`: a non-zero multiple of 64).
     pub sink: usize,
     pub sink_type: SinkType,
-    /// Block-GTQ key schedules: for every layer whose keys use `BodyCoding::RopeBlocks`, one
-    /// schedule per KV head; empty for every other layer (and entirely empty when no layer
-    /// uses them).
-    pub key_schedules: Vec<Vec<KeySchedule>>,
 }
 
 impl CacheConfig {
@@ -134,7 +129,6 @@ impl CacheConfig {
             staging: Staging::Tq6,
             sink: SINK,
             sink_type: SinkType::F16,
-            key_schedules: Vec::new(),
         }
     }
 
@@ -205,7 +199,6 @@ impl CacheConfig {
         self.balance
             .validate()
             .map_err(|e| CacheError::InvalidConfig(e.to_string()))?;
-        self.validate_key_schedules()?;
         for i in 0..self.layers {
             self.body_codec_checked(i)
                 .map_err(|e| CacheError::InvalidConfig(format!("layer {i}: {e}")))?;
@@ -213,70 +206,8 @@ impl CacheConfig {
         Ok(())
     }
 
-    fn validate_key_schedules(&self) -> CacheResult<()> {
-        let bad = |m: String| Err(CacheError::InvalidConfig(m));
-        let any = self
-            .layer_coding
-            .iter()
-            .any(|lc| lc.k_coding == BodyCoding::RopeBlocks);
-        if !any {
-            if self.key_schedules.iter().any(|l| !l.is_empty()) {
-                return bad("key schedules given but no layer uses RoPE-block keys".into());
-            }
-            return Ok(());
-        }
-        if self.key_schedules.len() != self.layers {
-            return bad(format!(
-                "key_schedules has {} layers, the configuration {}",
-                self.key_schedules.len(),
-                self.layers
-            ));
-        }
-        for (i, (lc, heads)) in self
-            .layer_coding
-            .iter()
-            .zip(&self.key_schedules)
-            .enumerate()
-        {
-            if lc.k_coding != BodyCoding::RopeBlocks {
-                if !heads.is_empty() {
-                    return bad(format!(
-                        "layer {i} has key schedules but scalar/trellis keys"
-                    ));
-                }
-                continue;
-            }
-            if heads.len() != self.kv_heads {
-                return bad(format!(
-                    "layer {i}: {} key schedules for {} KV heads",
-                    heads.len(),
-                    self.kv_heads
-                ));
-            }
-            for (h, s) in heads.iter().enumerate() {
-                if s.head_dim() != self.head_dim || !s.averages(lc.k_bits) {
-                    return bad(format!(
-                        "layer {i} head {h}: the key schedule (head_dim {}, {:.3} bits) does \
-                         not match head_dim {} at {} key bits",
-                        s.head_dim(),
-                        s.average_bits(),
-                        self.head_dim,
-                        lc.k_bits
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The Block-GTQ schedule of `layer`'s KV head `head`, if its keys use one.
-    pub fn key_schedule(&self, layer: usize, head: usize) -> Option<&KeySchedule> {
-        self.key_schedules.get(layer).and_then(|l| l.get(head))
-    }
-
     fn body_codec_checked(&self, layer: usize) -> crate::Result<BodyCodec> {
         let lc = &self.layer_coding[layer];
-        let schedules = self.key_schedules.get(layer).map_or(&[][..], |v| &v[..]);
         BodyCodec::for_layer(
             self.head_dim,
             lc.k_bits,
@@ -284,7 +215,6 @@ impl CacheConfig {
             lc.k_coding,
             lc.v_coding,
             self.balance,
-            schedules,
         )
     }
 

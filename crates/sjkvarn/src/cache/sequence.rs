@@ -468,7 +468,7 @@ impl Sequence {
                         }
                     }
                     let out = &mut slot[head * rb..(head + 1) * rb];
-                    sealer.seal(head, &k16, &v16, out)?;
+                    sealer.seal(&k16, &v16, out)?;
                 }
                 Ok(slot)
             })

@@ -10,7 +10,7 @@
 //! by name.
 //!
 //! A snapshot file wraps the stream with everything else sjkvarn's configuration holds (query
-//! heads, per-layer codings, balancing, Block-GTQ schedules, `max_tokens`), so a load restores the
+//! heads, per-layer codings, balancing, sink, `max_tokens`), so a load restores the
 //! full configuration; it holds one single-layer stream per layer, so layers caught between
 //! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
 //! `b"SJKVSNAP"`, `version: u32` (2), `payload_len: u64`, payload = configuration block then per
@@ -26,7 +26,6 @@ use super::{CacheError, CacheResult};
 use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
 use crate::body::{BodyCoding, TrellisAxis, GROUP};
 use crate::codec::{trellis::codebook, Body, BodyCodec};
-use crate::gtq::KeySchedule;
 use crate::journal::{self, StateHeader, StateIdentity, StateItem};
 use half::f16;
 use std::io::Write;
@@ -54,7 +53,6 @@ fn coding_byte(c: BodyCoding) -> u8 {
         BodyCoding::Scalar => 0,
         BodyCoding::Trellis(TrellisAxis::Token) => 1,
         BodyCoding::Trellis(TrellisAxis::Channel) => 2,
-        BodyCoding::RopeBlocks => 3,
     }
 }
 
@@ -63,7 +61,6 @@ fn coding_of(b: u8) -> CacheResult<BodyCoding> {
         0 => Ok(BodyCoding::Scalar),
         1 => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
         2 => Ok(BodyCoding::Trellis(TrellisAxis::Channel)),
-        3 => Ok(BodyCoding::RopeBlocks),
         _ => Err(corrupt("unknown body coding")),
     }
 }
@@ -145,15 +142,6 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
         w.u8(coding_byte(lc.k_coding));
         w.u8(coding_byte(lc.v_coding));
     }
-    // Block-GTQ layers: one width per RoPE block, per KV head (absent otherwise, so files
-    // without them keep the original layout).
-    for heads in &c.key_schedules {
-        for s in heads {
-            for &b in s.block_bits() {
-                w.u8(b as u8);
-            }
-        }
-    }
 }
 
 fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
@@ -197,27 +185,6 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
             v_coding: coding_of(r.u8()?)?,
         });
     }
-    let mut key_schedules = Vec::new();
-    if layer_coding
-        .iter()
-        .any(|lc| lc.k_coding == BodyCoding::RopeBlocks)
-    {
-        if kv_heads > 1024 || !(64..=256).contains(&head_dim) {
-            return Err(corrupt("key schedule geometry"));
-        }
-        for lc in &layer_coding {
-            let mut heads = Vec::new();
-            if lc.k_coding == BodyCoding::RopeBlocks {
-                for _ in 0..kv_heads {
-                    let bits = r.take(head_dim / 2)?.iter().map(|&b| b as u32).collect();
-                    heads.push(KeySchedule::new(head_dim, bits).map_err(|e| {
-                        CacheError::Snapshot(format!("stored key schedule is invalid: {e}"))
-                    })?);
-                }
-            }
-            key_schedules.push(heads);
-        }
-    }
     let config = CacheConfig {
         layers,
         q_heads,
@@ -233,7 +200,6 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         staging,
         sink,
         sink_type,
-        key_schedules,
     };
     config
         .validate()

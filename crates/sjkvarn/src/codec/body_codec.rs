@@ -3,8 +3,8 @@
 //! The cache seals and reads records through [`BodyCodec`] without knowing how they are coded:
 //! the reference SJ-KVaRN bodies ([`BodyCodec::Reference`]: scalar 2..4 bits per side, trellis
 //! 3/3, 3/2, 2/2) or an sjkvarn extension ([`BodyCodec::Extension`]: 5/6/8-bit scalar sides,
-//! the channel-axis trellis, Block-GTQ RoPE-block keys, non-default balancing), whose layouts are
-//! in `docs/formats.md` under "Extensions". Attention reads every kind in the same absorbed-scale
+//! the channel-axis trellis, non-default balancing as the paper-faithful KVarN comparator uses),
+//! whose layouts are in `docs/formats.md` under "Extension". Attention reads every kind in the same absorbed-scale
 //! form ([`DecodedHalf`]): `K = (u * a_K + z_K) * s_K`, `V = (u * a_V + z_V) * s_V`.
 
 use super::fp16::f16_to_f32;
@@ -13,19 +13,16 @@ use super::record::{Decoder, Sealer};
 use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
 use crate::body::{BodyCoding, BodySpec, DecodedHalf, TrellisAxis};
 use crate::error::{CodecError, Result};
-use crate::gtq::KeySchedule;
 
 /// How one layer's records are coded.
 #[derive(Debug, Clone)]
 pub enum BodyCodec {
     /// The reference format (`codec::record`), balanced with `iters` passes.
     Reference { layout: RecordLayout, iters: u32 },
-    /// An sjkvarn extension body; `schedules` holds one Block-GTQ key schedule per KV head when
-    /// the keys use RoPE blocks.
+    /// An sjkvarn extension body.
     Extension {
         spec: BodySpec,
         balance: BalanceConfig,
-        schedules: Vec<KeySchedule>,
     },
 }
 
@@ -39,7 +36,6 @@ impl BodyCodec {
         k_coding: BodyCoding,
         v_coding: BodyCoding,
         balance: BalanceConfig,
-        schedules: &[KeySchedule],
     ) -> Result<Self> {
         if !matches!(head_dim, 64 | 128 | 256 | 512) {
             return Err(CodecError::UnsupportedHeadDim(head_dim));
@@ -67,11 +63,7 @@ impl BodyCodec {
         }
         let spec = BodySpec::new(head_dim, k_bits, v_bits)?.with_coding(k_coding, v_coding)?;
         balance.validate()?;
-        Ok(BodyCodec::Extension {
-            spec,
-            balance,
-            schedules: schedules.to_vec(),
-        })
+        Ok(BodyCodec::Extension { spec, balance })
     }
 
     /// Whether this layer writes reference SJ-KVaRN records.
@@ -94,14 +86,6 @@ impl BodyCodec {
         }
     }
 
-    /// The key schedule of KV head `head` when keys are scored outside the Hadamard frame.
-    pub fn key_schedule(&self, head: usize) -> Option<&KeySchedule> {
-        match self {
-            BodyCodec::Extension { schedules, .. } => schedules.get(head),
-            BodyCodec::Reference { .. } => None,
-        }
-    }
-
     /// A sealer for this codec (scratch reused over many records).
     pub fn sealer(&self) -> RecordSealer {
         match self {
@@ -112,24 +96,19 @@ impl BodyCodec {
         }
     }
 
-    /// The absorbed-scale halves of record `rec` of KV head `head` (one half per sub-record).
-    pub fn halves(&self, head: usize, rec: &[u8]) -> Result<Vec<DecodedHalf>> {
+    /// The absorbed-scale halves of a record (one half per sub-record).
+    pub fn halves(&self, rec: &[u8]) -> Result<Vec<DecodedHalf>> {
         match self {
             BodyCodec::Reference { layout, .. } => Ok(vec![reference_half(layout, rec)?]),
-            BodyCodec::Extension {
-                spec, schedules, ..
-            } => match schedules.get(head) {
-                Some(s) => Ok(vec![crate::gtq::decode_record(spec, s, rec)?]),
-                None => (0..spec.half_count())
-                    .map(|h| spec.decode_half(rec, h))
-                    .collect(),
-            },
+            BodyCodec::Extension { spec, .. } => (0..spec.half_count())
+                .map(|h| spec.decode_half(rec, h))
+                .collect(),
         }
     }
 
-    /// Record `rec` of KV head `head` decoded to the model frame: `(keys, values)`, each
-    /// `[G][head_dim]` (checks and tools; attention reads the absorbed-scale halves).
-    pub fn decode_model_frame(&self, head: usize, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// A record decoded to the model frame: `(keys, values)`, each `[G][head_dim]` (checks and
+    /// tools; attention reads the absorbed-scale halves).
+    pub fn decode_model_frame(&self, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
         let d = match self {
             BodyCodec::Reference { layout, .. } => layout.head_dim,
             BodyCodec::Extension { spec, .. } => spec.head_dim,
@@ -146,12 +125,7 @@ impl BodyCodec {
                 }
                 Decoder::new(*layout).decode(rec, &mut k, &mut v);
             }
-            BodyCodec::Extension {
-                spec, schedules, ..
-            } => match schedules.get(head) {
-                Some(s) => return crate::gtq::decode_record_model_frame(spec, s, rec),
-                None => spec.decode_rotated(rec, &mut k, &mut v)?,
-            },
+            BodyCodec::Extension { spec, .. } => spec.decode_rotated(rec, &mut k, &mut v)?,
         }
         super::rotation::rotate_heads(&mut k, d)?;
         super::rotation::rotate_heads(&mut v, d)?;
@@ -175,24 +149,17 @@ pub enum RecordSealer {
 }
 
 impl RecordSealer {
-    /// Seals KV head `head` of one group from its `[G][D]` rotated fp16 rows of K and V.
-    pub fn seal(&mut self, head: usize, k: &[u16], v: &[u16], out: &mut [u8]) -> Result<()> {
+    /// Seals one (group, KV head) from its `[G][D]` rotated fp16 rows of K and V.
+    pub fn seal(&mut self, k: &[u16], v: &[u16], out: &mut [u8]) -> Result<()> {
         match self {
             RecordSealer::Reference(s) => {
                 let d = s.layout().head_dim;
                 s.seal(k, v, d, out)
             }
-            RecordSealer::Extension(BodyCodec::Extension {
-                spec,
-                balance,
-                schedules,
-            }) => {
+            RecordSealer::Extension(BodyCodec::Extension { spec, balance }) => {
                 let kt: Vec<f32> = k.iter().map(|&h| f16_to_f32(h)).collect();
                 let vt: Vec<f32> = v.iter().map(|&h| f16_to_f32(h)).collect();
-                match schedules.get(head) {
-                    Some(s) => crate::gtq::encode_record(spec, s, &kt, &vt, balance, out),
-                    None => spec.encode_rotated(&kt, &vt, balance, out),
-                }
+                spec.encode_rotated(&kt, &vt, balance, out)
             }
             RecordSealer::Extension(BodyCodec::Reference { .. }) => Err(
                 CodecError::InvalidSetting("extension sealer built from a reference codec".into()),
