@@ -3,9 +3,7 @@
 //! sums in another order (per-split partial sums merged by log-sum-exp), the same outputs within
 //! 1e-4 relative of an f64 softmax over the decoded rows.
 
-mod common;
-
-use common::{fnv, fnv_f32, Inputs, FNV0};
+use sjkvarn::codec::conformance::{fnv, fnv_f32, Inputs, FNV0};
 use sjkvarn::codec::fp16::{f16_to_f32 as ref_f16_to_f32, f32_to_f16 as ref_f32_to_f16};
 use sjkvarn::codec::rotation::hadamard;
 use sjkvarn::codec::{tq6, Body, Decoder, RecordLayout, Sealer, GROUP, ITERS};
@@ -117,7 +115,7 @@ fn fp16_conversion_is_bit_exact() {
         6.1035152e-5,
     ];
     for _ in 0..200_000 {
-        xs.push(f32::from_bits(s.next() ^ (s.next() << 21)));
+        xs.push(f32::from_bits(s.next_u32() ^ (s.next_u32() << 21)));
     }
     for x in xs {
         assert_eq!(

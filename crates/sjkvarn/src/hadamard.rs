@@ -28,25 +28,10 @@ pub fn fwht(block: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// The butterfly passes; `block.len()` must be a power of two.
+/// The butterfly passes; `block.len()` must be a power of two (the format's transform,
+/// [`crate::codec::rotation`], applied to one block).
 pub(crate) fn fwht_unchecked(block: &mut [f32]) {
-    let n = block.len();
-    let mut half = 1;
-    while half < n {
-        for start in (0..n).step_by(2 * half) {
-            let (lo, hi) = block[start..start + 2 * half].split_at_mut(half);
-            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
-                let (x, y) = (*a, *b);
-                *a = x + y;
-                *b = x - y;
-            }
-        }
-        half *= 2;
-    }
-    let scale = 1.0 / (n as f32).sqrt();
-    for v in block.iter_mut() {
-        *v *= scale;
-    }
+    crate::codec::rotation::hadamard_unchecked(block)
 }
 
 /// Rotates one head vector in place: whole for 64/128/256, as two 256 halves for 512.

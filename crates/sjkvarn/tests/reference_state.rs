@@ -14,9 +14,7 @@ const NL: usize = 2;
 
 /// FNV-1a 64 with the reference's offset basis.
 fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(1469598103934665603u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(1099511628211)
-    })
+    sjkvarn::codec::conformance::fnv(bytes, sjkvarn::codec::conformance::FNV0)
 }
 
 fn mix(mut x: u64) -> u64 {

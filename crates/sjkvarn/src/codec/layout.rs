@@ -208,6 +208,25 @@ impl RecordLayout {
         (dd & 7) * (self.head_dim / 8) + tile * 2 + (dd >> 3)
     }
 
+    /// `(rows, cols)` of a side's tile: K is `[D][G]` (rows = channels), V `[G][D]` (rows =
+    /// tokens); rows carry the affine, columns the balancing scale stored last.
+    pub fn tile_shape(&self, is_v: bool) -> (usize, usize) {
+        if is_v {
+            (self.group, self.head_dim)
+        } else {
+            (self.head_dim, self.group)
+        }
+    }
+
+    /// Offsets of a side's per-row `(scale, zero)` fields.
+    pub fn row_fields(&self, is_v: bool) -> (usize, usize) {
+        if is_v {
+            (self.v_scale, self.v_zero)
+        } else {
+            (self.k_scale, self.k_zero)
+        }
+    }
+
     /// The K or V payload of a record.
     pub fn payload<'a>(&self, record: &'a [u8], is_v: bool) -> &'a [u8] {
         if is_v {

@@ -17,6 +17,7 @@
 pub mod balance;
 pub mod body_codec;
 pub mod codebooks;
+pub mod conformance;
 pub mod fp16;
 pub mod layout;
 pub mod record;

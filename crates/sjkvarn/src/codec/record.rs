@@ -113,19 +113,11 @@ impl Sealer {
 
     fn quantize_side(&mut self, is_v: bool, rec: &mut [u8]) {
         let l = self.layout;
-        let (rows, cols) = if is_v {
-            (l.group, l.head_dim)
-        } else {
-            (l.head_dim, l.group)
-        };
+        let (rows, cols) = l.tile_shape(is_v);
         let bits = l.bits(is_v);
         let qmax = (1u32 << bits) - 1;
         let trellis = l.body == Body::Trellis;
-        let (scale_off, zero_off) = if is_v {
-            (l.v_scale, l.v_zero)
-        } else {
-            (l.k_scale, l.k_zero)
-        };
+        let (scale_off, zero_off) = l.row_fields(is_v);
         let payload_off = if is_v { l.v_payload } else { l.k_payload };
         self.lo.resize(rows, 0.0);
         self.step.resize(rows, 0.0);
@@ -191,18 +183,10 @@ impl Sealer {
     /// rows keep the min/max affine.
     fn refit(&self, is_v: bool, rec: &mut [u8]) {
         let l = self.layout;
-        let (rows, cols) = if is_v {
-            (l.group, l.head_dim)
-        } else {
-            (l.head_dim, l.group)
-        };
+        let (rows, cols) = l.tile_shape(is_v);
         let bits = l.bits(is_v);
         let table = codebook(bits, is_v);
-        let (scale_off, zero_off) = if is_v {
-            (l.v_scale, l.v_zero)
-        } else {
-            (l.k_scale, l.k_zero)
-        };
+        let (scale_off, zero_off) = l.row_fields(is_v);
         let n = cols as f64;
         for r in 0..rows {
             let (mut sx, mut sy, mut sxx, mut syy) = (0f64, 0f64, 0f64, 0f64);
