@@ -5,8 +5,9 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sjkvarn::body::GROUP;
-use sjkvarn::trellis::{self, Viterbi};
-use sjkvarn::{bitpack, format, BalanceConfig, BlockFormat, BodySpec};
+use sjkvarn::codec::fp16::f32_to_f16;
+use sjkvarn::codec::{Body, Decoder, RecordLayout, Sealer, ITERS};
+use sjkvarn::{format, BlockFormat};
 use std::hint::black_box;
 
 /// Deterministic Gaussian-like values (Irwin-Hall, 4 uniforms) without extra crates.
@@ -45,71 +46,45 @@ fn flat_formats(c: &mut Criterion) {
     group.finish();
 }
 
+/// Sealing and decoding one SJ-KVaRN record (one KV head, 128 tokens) on one thread: scalar
+/// 4/4 and 3/2, trellis 3/2 (the reference's 64-state Viterbi, the slow part of a seal).
 fn body_seal(c: &mut Criterion) {
     let mut group = c.benchmark_group("body_seal");
     group.throughput(Throughput::Elements(1)); // one tile = one K+V record
     for d in [64usize, 128, 256] {
-        let k = values(GROUP * d, 2);
-        let v = values(GROUP * d, 3);
-        for (k_bits, v_bits) in [(4, 4), (3, 2)] {
-            let spec = BodySpec::new(d, k_bits, v_bits).unwrap();
-            let cfg = BalanceConfig::default();
-            let mut rec = vec![0u8; spec.record_bytes()];
-            let id = format!("d{d}_k{k_bits}v{v_bits}");
+        let k: Vec<u16> = values(GROUP * d, 2)
+            .iter()
+            .map(|&x| f32_to_f16(x))
+            .collect();
+        let v: Vec<u16> = values(GROUP * d, 3)
+            .iter()
+            .map(|&x| f32_to_f16(x))
+            .collect();
+        for (k_bits, v_bits, body) in [
+            (4, 4, Body::Scalar),
+            (3, 2, Body::Scalar),
+            (3, 2, Body::Trellis),
+        ] {
+            let layout = RecordLayout::new(d, GROUP, k_bits, v_bits, body).unwrap();
+            let mut sealer = Sealer::new(layout, ITERS);
+            let mut rec = vec![0u8; layout.bytes];
+            let id = format!("d{d}_k{k_bits}v{v_bits}_{}", body.name());
             group.bench_function(BenchmarkId::new("encode", &id), |b| {
                 b.iter(|| {
-                    spec.encode_rotated(black_box(&k), black_box(&v), &cfg, &mut rec)
+                    sealer
+                        .seal(black_box(&k), black_box(&v), d, &mut rec)
                         .unwrap()
                 })
             });
-            let (mut kk, mut vv) = (vec![0f32; k.len()], vec![0f32; v.len()]);
+            let decoder = Decoder::new(layout);
+            let (mut kk, mut vv) = (vec![0f32; GROUP * d], vec![0f32; GROUP * d]);
             group.bench_function(BenchmarkId::new("decode", &id), |b| {
-                b.iter(|| {
-                    spec.decode_rotated(black_box(&rec), &mut kk, &mut vv)
-                        .unwrap()
-                })
+                b.iter(|| decoder.decode(black_box(&rec), &mut kk, &mut vv))
             });
         }
     }
     group.finish();
 }
 
-/// Trellis coding of one K tile along the token axis: `D` runs of 128 (one tile per iteration),
-/// and decoding throughput in values/s, on one thread.
-fn trellis_runs(c: &mut Criterion) {
-    let mut group = c.benchmark_group("trellis");
-    for bits in [2u32, 3] {
-        let cb = trellis::shipped(bits).unwrap();
-        for d in [64usize, 256] {
-            let x = values(GROUP * d, 4);
-            let rb = bitpack::packed_len(GROUP, bits);
-            let mut packed = vec![0u8; d * rb];
-            let mut v = Viterbi::new();
-            group.throughput(Throughput::Elements(1));
-            group.bench_function(
-                BenchmarkId::new("encode_tile", format!("128x{d}_{bits}bit")),
-                |b| {
-                    b.iter(|| {
-                        for (run, out) in x.chunks_exact(GROUP).zip(packed.chunks_exact_mut(rb)) {
-                            v.encode_packed(cb, black_box(run), out);
-                        }
-                    })
-                },
-            );
-        }
-        let runs = 4096;
-        let x = values(GROUP * runs, 5);
-        let packed = trellis::encode_runs(bits, &x, GROUP, None).unwrap();
-        let mut out = vec![0f32; x.len()];
-        group.throughput(Throughput::Elements(x.len() as u64));
-        group.bench_function(BenchmarkId::new("decode", format!("{bits}bit")), |b| {
-            b.iter(|| {
-                trellis::decode_runs(bits, black_box(&packed), GROUP, &mut out, Some(1)).unwrap()
-            })
-        });
-    }
-    group.finish();
-}
-
-criterion_group!(benches, flat_formats, body_seal, trellis_runs);
+criterion_group!(benches, flat_formats, body_seal);
 criterion_main!(benches);

@@ -102,7 +102,7 @@ def _kv(gen: torch.Generator, n: int, d: int) -> tuple[torch.Tensor, torch.Tenso
         ("scalar", (3, 2), 128),
         ("scalar", (4, 2), 256),
         ("trellis", (3, 3), 64),
-        ("trellis-channel", (2, 2), 128),
+        ("trellis", (2, 2), 128),
         ("scalar", (4, 4), 512),
     ],
 )

@@ -102,8 +102,8 @@ def _parse_device(device: str) -> tuple[str, int]:
 class Config:
     """Geometry, per-layer coding, tail sizes and staging of a cache.
 
-    ``body`` is ``"scalar"``, ``"trellis"`` (the reference token-axis trellis, 3/3, 3/2 or 2/2)
-    or ``"trellis-channel"`` (extension); ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per
+    ``body`` is ``"scalar"`` or ``"trellis"`` (the reference trellis: 3/3, 3/2 or 2/2);
+    ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per
     layer (tiered edge layers). ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16)
     or ``"q8_0"`` (extension). ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the
     reference's ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed

@@ -135,9 +135,9 @@ def encode_body(
     the tiles are already rotated (as the cache stores them); otherwise each head row is rotated
     first. With ``k_body == v_body`` in ``"scalar"`` (2..4 bits) or ``"trellis"`` (3/3, 3/2,
     2/2), ``mode="final"`` and ``stat="std"``, the records are SJ-KVaRN reference records
-    (``passes`` balancing iterations, 16 in the format); anything else (5/6/8-bit sides,
-    ``"trellis-channel"``, ``mode="best"``, ``stat="rms"``) is an sjkvarn extension of the same
-    size. Decode with the same settings.
+    (``passes`` balancing iterations, 16 in the format); 5/6/8-bit scalar sides and
+    ``mode="best"``/``stat="rms"`` give the sjkvarn v1 extension record instead. Decode with
+    the same settings.
     """
     return _core.encode_body(
         _exportable(k),
@@ -185,31 +185,11 @@ def decode_body(
     return k, v
 
 
-def encode_trellis(array: Any, *, bits: int, threads: int | None = None) -> bytes:
-    """Codes each last-dimension row of ``array`` as one tail-biting trellis run.
-
-    The shipped codebooks are trained for N(0, 1) values (the body standardises rows first);
-    runs need at least 8 values and ``len * bits`` divisible by 8. ``bits`` is 2, 3 or 4.
-    """
-    return _core.encode_trellis(_exportable(array), bits, threads)
-
-
-def decode_trellis(
-    blob: bytes | bytearray | memoryview,
-    shape: Sequence[int],
-    *,
-    bits: int,
-    threads: int | None = None,
-) -> np.ndarray:
-    """Decodes trellis runs into a float32 array of ``shape`` (last dimension = run length)."""
-    out = np.empty(tuple(int(s) for s in shape), dtype=np.float32)
-    _core.decode_trellis_into(_blob(blob), out, bits, threads)
-    return out
-
-
-def trellis_codebook(bits: int) -> np.ndarray:
-    """The shipped ``2^(6+bits)``-entry codebook (index = last ``6+bits`` stream bits)."""
-    return np.frombuffer(_core.trellis_codebook(bits), dtype="<f4").copy()
+def trellis_codebook(bits: int, *, values: bool = False) -> np.ndarray:
+    """The reference's trained ``2^(6+bits)``-entry trellis codebook (``bits`` 2 or 3) for keys,
+    or for values with ``values=True``, in units of the row step; entry ``w`` is the value of a
+    code whose window (the code over the six stream bits before it) is ``w``."""
+    return np.frombuffer(_core.trellis_codebook(bits, values), dtype="<f4").copy()
 
 
 def rotate(array: Any) -> np.ndarray:

@@ -113,7 +113,6 @@ fn coding_name(c: sjkvarn::body::BodyCoding) -> &'static str {
     match c {
         BodyCoding::Scalar => "scalar",
         BodyCoding::Trellis(TrellisAxis::Token) => "trellis",
-        BodyCoding::Trellis(TrellisAxis::Channel) => "trellis-channel",
     }
 }
 

@@ -93,9 +93,8 @@ pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
     match name {
         "scalar" => Ok(BodyCoding::Scalar),
         "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
-        "trellis-channel" => Ok(BodyCoding::Trellis(TrellisAxis::Channel)),
         _ => Err(CodecError::new_err(format!(
-            "body must be 'scalar', 'trellis' (token axis) or 'trellis-channel', got '{name}'"
+            "body must be 'scalar' or 'trellis' (the reference's 3/3, 3/2, 2/2), got '{name}'"
         ))),
     }
 }
@@ -255,45 +254,25 @@ fn rotate_inplace(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
     })
 }
 
-/// Trellis-codes each last-dimension row of `x` as one tail-biting run (shipped codebook).
+/// The reference's trellis codebook for `bits` (2 or 3) of keys or values, as little-endian
+/// float32 bytes (`2^(6+bits)` entries in units of the row step, indexed by the window).
 #[pyfunction]
-#[pyo3(signature = (x, bits, threads=None))]
-fn encode_trellis<'py>(
+#[pyo3(signature = (bits, values=false))]
+fn trellis_codebook<'py>(
     py: Python<'py>,
-    x: &Bound<'py, PyAny>,
     bits: u32,
-    threads: Option<usize>,
+    values: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let host = read_f32(x, "x")?;
-    let run = host.shape.last().copied().unwrap_or(0);
-    let bytes = py
-        .detach(|| sjkvarn::trellis::encode_runs(bits, &host.values, run, threads))
-        .map_err(err)?;
+    if bits != 2 && bits != 3 {
+        return Err(err(sjkvarn::CodecError::UnsupportedBits {
+            what: "trellis codebook",
+            bits,
+            allowed: "2, 3",
+        }));
+    }
+    let cb = sjkvarn::codec::trellis::codebook_f32(bits, values);
+    let bytes: Vec<u8> = cb.iter().flat_map(|v| v.to_le_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
-}
-
-/// Decodes trellis runs into `out` (float32; its last dimension is the run length).
-#[pyfunction]
-#[pyo3(signature = (blob, out, bits, threads=None))]
-fn decode_trellis_into(
-    py: Python<'_>,
-    blob: &[u8],
-    out: &Bound<'_, PyAny>,
-    bits: u32,
-    threads: Option<usize>,
-) -> PyResult<()> {
-    with_f32_out(out, "out", |values, shape| {
-        let run = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::trellis::decode_runs(bits, blob, run, values, threads))
-            .map_err(err)
-    })
-}
-
-/// The shipped trellis codebook for `bits` as little-endian float32 bytes.
-#[pyfunction]
-fn trellis_codebook<'py>(py: Python<'py>, bits: u32) -> PyResult<Bound<'py, PyBytes>> {
-    let cb = sjkvarn::trellis::shipped(bits).map_err(err)?;
-    Ok(PyBytes::new(py, &cb.to_le_bytes()))
 }
 
 /// Copies any supported CPU float tensor to row-major float32 bytes and its shape.
@@ -348,8 +327,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_body_into, m)?)?;
     m.add_function(wrap_pyfunction!(rotate_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(to_float32, m)?)?;
-    m.add_function(wrap_pyfunction!(encode_trellis, m)?)?;
-    m.add_function(wrap_pyfunction!(decode_trellis_into, m)?)?;
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     m.add_class::<cache::CacheSpec>()?;

@@ -1,4 +1,7 @@
-//! Scalar body record: one KV head, one 128-token group, K and V rounded after balancing.
+//! The sjkvarn v1 scalar body record, kept as an extension for what the SJ-KVaRN reference does
+//! not define (5/6/8-bit sides, the `best`/`rms` balancing of the paper-faithful KVarN
+//! comparator): one KV head, one 128-token group, K and V rounded after balancing. The reference
+//! record is `crate::codec`.
 //!
 //! Dequantization with the balancing scales absorbed, all factors fp16:
 //! `K[c,t] = (q * a_K[c] + z_K[c]) * s_K[t]` (keys rounded per channel over the group's tokens)
@@ -11,17 +14,13 @@
 //! `[K codes R*G*kb/8][V codes G*R*vb/8][a_K R][z_K R][s_K G][a_V G][z_V G][s_V R]` (fp16 LE),
 //! Metadata is `(2R+G)*2 + (R+2G)*2` bytes per sub-record.
 //!
-//! Scalar codes are the integers `q` (K channel-major, V token-major). Trellis codes are
-//! tail-biting trellis runs (see [`crate::trellis`]) stored run after run; `q` is then the
-//! codebook value of the run position. On the token axis (default) a run is one channel's 128
-//! tokens, for K and for V; on the channel axis a run is one token's `R` channels. After coding,
-//! each row's `a` and `z` are refit by least squares to the decoded values.
+//! Codes are the integers `q` (K channel-major, V token-major). Trellis bodies are the
+//! reference's only ([`crate::codec`]).
 
 use crate::balance::{balance, BalanceConfig};
 use crate::bitpack;
 use crate::error::{check_finite, CodecError, Result};
 use crate::hadamard::{rotate_rows, rotation_size};
-use crate::trellis::{self, Viterbi};
 use half::f16;
 
 /// Tokens per sealed group.
@@ -30,13 +29,11 @@ pub const GROUP: usize = 128;
 /// Bit widths the scalar body supports.
 pub const BODY_BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
 
-/// Which axis a trellis run follows.
+/// The axis of a trellis run: the reference's token axis (each channel's 128 tokens) is the only
+/// one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TrellisAxis {
-    /// Each channel's 128 tokens form one run (default).
     Token,
-    /// Each token's `R` channels form one run.
-    Channel,
 }
 
 /// How one side (K or V) of a record is coded.
@@ -72,30 +69,6 @@ pub struct DecodedHalf {
     pub s_v: Vec<f32>,
 }
 
-/// How the codes of one tile are laid out (tile rows x cols, rows carry `a` and `z`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TileLayout {
-    /// Integer codes, row-major.
-    Scalar,
-    /// One trellis run per row.
-    RunsAlongRows,
-    /// One trellis run per column.
-    RunsAlongCols,
-}
-
-impl TileLayout {
-    /// K tiles have channels as rows; V tiles have tokens as rows.
-    fn of(coding: BodyCoding, is_key: bool) -> Self {
-        match (coding, is_key) {
-            (BodyCoding::Scalar, _) => TileLayout::Scalar,
-            (BodyCoding::Trellis(TrellisAxis::Token), true) => TileLayout::RunsAlongRows,
-            (BodyCoding::Trellis(TrellisAxis::Token), false) => TileLayout::RunsAlongCols,
-            (BodyCoding::Trellis(TrellisAxis::Channel), true) => TileLayout::RunsAlongCols,
-            (BodyCoding::Trellis(TrellisAxis::Channel), false) => TileLayout::RunsAlongRows,
-        }
-    }
-}
-
 fn check_bits(bits: u32) -> Result<()> {
     if BODY_BITS.contains(&bits) {
         Ok(())
@@ -122,12 +95,15 @@ impl BodySpec {
         })
     }
 
-    /// The same geometry with K and V coded as given (trellis needs 2, 3 or 4 bits).
+    /// The same geometry with K and V coded as given: scalar only (trellis bodies are the
+    /// reference's 3/3, 3/2 and 2/2 on both sides, [`crate::codec::BodyCodec`]).
     pub fn with_coding(self, k_coding: BodyCoding, v_coding: BodyCoding) -> Result<Self> {
-        for (coding, bits) in [(k_coding, self.k_bits), (v_coding, self.v_bits)] {
-            if let BodyCoding::Trellis(_) = coding {
-                trellis::shipped(bits)?;
-            }
+        if k_coding != BodyCoding::Scalar || v_coding != BodyCoding::Scalar {
+            return Err(CodecError::InvalidSetting(format!(
+                "trellis bodies are the SJ-KVaRN reference's: 3/3, 3/2 or 2/2 with the trellis on \
+                 both sides (got {}/{} bits, {k_coding:?}/{v_coding:?})",
+                self.k_bits, self.v_bits
+            )));
         }
         Ok(Self {
             k_coding,
@@ -220,133 +196,19 @@ pub(crate) fn round_rows(x: &[f32], cols: usize, bits: u32, codes: &mut [u8]) ->
     Ok(RowAffine { a: a_out, z: z_out })
 }
 
-/// `(row, col)` of step `t` of run `run` in a trellis layout.
-fn run_position(layout: TileLayout, run: usize, t: usize) -> (usize, usize) {
-    match layout {
-        TileLayout::RunsAlongCols => (t, run),
-        _ => (run, t),
-    }
-}
-
-/// Trellis-codes `x` (rows x cols, already divided by the column scales): each row is
-/// standardised, runs are coded with the shipped codebook, then each row's `a` and `z` are
-/// refit by least squares to the decoded values. Writes packed run-major codes.
-fn trellis_rows(
-    x: &[f32],
-    cols: usize,
-    bits: u32,
-    layout: TileLayout,
-    packed: &mut [u8],
-) -> Result<RowAffine> {
-    let cb = trellis::shipped(bits)?;
-    let rows = x.len() / cols;
-    // Standardise each row (population mean and spread).
-    let mut stats = Vec::with_capacity(rows);
-    let mut unit = vec![0.0f32; x.len()];
-    for (i, row) in x.chunks_exact(cols).enumerate() {
-        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / cols as f64;
-        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / cols as f64;
-        let inv = if var > 0.0 { 1.0 / var.sqrt() } else { 0.0 };
-        for (u, &v) in unit[i * cols..(i + 1) * cols].iter_mut().zip(row) {
-            *u = ((v as f64 - mean) * inv) as f32;
-        }
-        stats.push(mean);
-    }
-    let (runs, len) = match layout {
-        TileLayout::RunsAlongCols => (cols, rows),
-        _ => (rows, cols),
-    };
-    let mut viterbi = Viterbi::new();
-    let mut run = vec![0.0f32; len];
-    let mut codes = vec![0u8; len];
-    let mut decoded_run = vec![0.0f32; len];
-    let mut decoded = vec![0.0f32; x.len()];
-    let mut all_codes = vec![0u8; x.len()];
-    for r in 0..runs {
-        for (t, v) in run.iter_mut().enumerate() {
-            let (i, j) = run_position(layout, r, t);
-            *v = unit[i * cols + j];
-        }
-        viterbi.encode_codes(cb, &run, &mut codes);
-        trellis::decode_codes(cb, &codes, &mut decoded_run);
-        for (t, &value) in decoded_run.iter().enumerate() {
-            let (i, j) = run_position(layout, r, t);
-            decoded[i * cols + j] = value;
-        }
-        all_codes[r * len..(r + 1) * len].copy_from_slice(&codes);
-    }
-    bitpack::pack(&all_codes, bits, packed);
-    // Least-squares refit of each row: x ~ a * c + z.
-    let (mut a_out, mut z_out) = (vec![f16::ZERO; rows], vec![f16::ZERO; rows]);
-    for i in 0..rows {
-        let (xs, cs) = (
-            &x[i * cols..(i + 1) * cols],
-            &decoded[i * cols..(i + 1) * cols],
-        );
-        let n = cols as f64;
-        let c_mean = cs.iter().map(|&c| c as f64).sum::<f64>() / n;
-        let (mut cov, mut var) = (0.0f64, 0.0f64);
-        for (&xv, &cv) in xs.iter().zip(cs) {
-            let dc = cv as f64 - c_mean;
-            cov += dc * (xv as f64 - stats[i]);
-            var += dc * dc;
-        }
-        let a = if var > 0.0 { cov / var } else { 0.0 };
-        let a16 = f16::from_f32(a as f32).to_f32() as f64;
-        let (a16, z16) = affine_to_f16(a as f32, (stats[i] - a16 * c_mean) as f32)?;
-        a_out[i] = a16;
-        z_out[i] = z16;
-    }
-    Ok(RowAffine { a: a_out, z: z_out })
-}
-
 /// Codes one tile (`x` already divided by the column scales) into `packed`.
-fn encode_tile(
-    x: &[f32],
-    cols: usize,
-    bits: u32,
-    layout: TileLayout,
-    packed: &mut [u8],
-) -> Result<RowAffine> {
-    match layout {
-        TileLayout::Scalar => {
-            let mut codes = vec![0u8; x.len()];
-            let affine = round_rows(x, cols, bits, &mut codes)?;
-            bitpack::pack(&codes, bits, packed);
-            Ok(affine)
-        }
-        _ => trellis_rows(x, cols, bits, layout, packed),
-    }
+fn encode_tile(x: &[f32], cols: usize, bits: u32, packed: &mut [u8]) -> Result<RowAffine> {
+    let mut codes = vec![0u8; x.len()];
+    let affine = round_rows(x, cols, bits, &mut codes)?;
+    bitpack::pack(&codes, bits, packed);
+    Ok(affine)
 }
 
-/// The per-position unit values of a coded tile (integer codes, or codebook values), row-major.
-fn decode_tile_units(
-    packed: &[u8],
-    rows: usize,
-    cols: usize,
-    bits: u32,
-    layout: TileLayout,
-) -> Result<Vec<f32>> {
+/// The integer codes of a coded tile as f32, row-major.
+fn decode_tile_units(packed: &[u8], rows: usize, cols: usize, bits: u32) -> Vec<f32> {
     let mut codes = vec![0u8; rows * cols];
     bitpack::unpack(packed, bits, &mut codes);
-    if layout == TileLayout::Scalar {
-        return Ok(codes.iter().map(|&c| c as f32).collect());
-    }
-    let cb = trellis::shipped(bits)?;
-    let (runs, len) = match layout {
-        TileLayout::RunsAlongCols => (cols, rows),
-        _ => (rows, cols),
-    };
-    let mut units = vec![0.0f32; rows * cols];
-    let mut run = vec![0.0f32; len];
-    for r in 0..runs {
-        trellis::decode_codes(cb, &codes[r * len..(r + 1) * len], &mut run);
-        for (t, &v) in run.iter().enumerate() {
-            let (i, j) = run_position(layout, r, t);
-            units[i * cols + j] = v;
-        }
-    }
-    Ok(units)
+    codes.iter().map(|&c| c as f32).collect()
 }
 
 pub(crate) fn divide_columns(tile: &[f32], cols: usize, col_scale: &[f16]) -> Vec<f32> {
@@ -402,8 +264,7 @@ impl BodySpec {
         let (v_codes, meta) = rest.split_at(self.v_code_bytes());
         let m = &meta[(2 * r + GROUP) * 2..];
         let k_units = if keys {
-            let layout = TileLayout::of(self.k_coding, true);
-            decode_tile_units(k_codes, r, GROUP, self.k_bits, layout)?
+            decode_tile_units(k_codes, r, GROUP, self.k_bits)
         } else {
             Vec::new()
         };
@@ -412,13 +273,7 @@ impl BodySpec {
             a_k: read_f32s(meta, r),
             z_k: read_f32s(&meta[2 * r..], r),
             s_k: read_f32s(&meta[4 * r..], GROUP),
-            v_units: decode_tile_units(
-                v_codes,
-                GROUP,
-                r,
-                self.v_bits,
-                TileLayout::of(self.v_coding, false),
-            )?,
+            v_units: decode_tile_units(v_codes, GROUP, r, self.v_bits),
             a_v: read_f32s(m, GROUP),
             z_v: read_f32s(&m[2 * GROUP..], GROUP),
             s_v: read_f32s(&m[4 * GROUP..], r),
@@ -474,15 +329,12 @@ impl BodySpec {
             // K: rows = channels, columns = tokens; stored column scales are per token.
             let s_k = column_scales(&k_tile, r, GROUP, config);
             let xk = divide_columns(&k_tile, GROUP, &s_k);
-            let k_layout = TileLayout::of(self.k_coding, true);
-            let RowAffine { a: a_k, z: z_k } =
-                encode_tile(&xk, GROUP, self.k_bits, k_layout, k_codes)?;
+            let RowAffine { a: a_k, z: z_k } = encode_tile(&xk, GROUP, self.k_bits, k_codes)?;
 
             // V: rows = tokens, columns = channels; stored column scales are per channel.
             let s_v = column_scales(&v_tile, GROUP, r, config);
             let xv = divide_columns(&v_tile, r, &s_v);
-            let v_layout = TileLayout::of(self.v_coding, false);
-            let RowAffine { a: a_v, z: z_v } = encode_tile(&xv, r, self.v_bits, v_layout, v_codes)?;
+            let RowAffine { a: a_v, z: z_v } = encode_tile(&xv, r, self.v_bits, v_codes)?;
 
             let mut at = 0;
             for part in [&a_k, &z_k, &s_k, &a_v, &z_v, &s_v] {
@@ -639,39 +491,14 @@ mod tests {
     }
 
     #[test]
-    fn trellis_records_have_scalar_size_and_lower_error() {
-        let mut r = crate::rng::SplitMix64::new(17);
-        let (k, v) = (r.gaussians(GROUP * 64), r.gaussians(GROUP * 64));
-        let cfg = BalanceConfig::default();
-        let err =
-            |a: &[f32], b: &[f32]| -> f32 { a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum() };
-        for axis in [TrellisAxis::Token, TrellisAxis::Channel] {
-            for bits in [2, 3] {
-                let scalar = BodySpec::new(64, bits, bits).unwrap();
-                let coded = scalar
-                    .with_coding(BodyCoding::Trellis(axis), BodyCoding::Trellis(axis))
-                    .unwrap();
-                assert_eq!(coded.record_bytes(), scalar.record_bytes());
-                let (mut rs, mut rt) = (
-                    vec![0u8; scalar.record_bytes()],
-                    vec![0u8; coded.record_bytes()],
-                );
-                scalar.encode_rotated(&k, &v, &cfg, &mut rs).unwrap();
-                coded.encode_rotated(&k, &v, &cfg, &mut rt).unwrap();
-                let (mut ks, mut vs) = (vec![0.0; k.len()], vec![0.0; v.len()]);
-                let (mut kt, mut vt) = (vec![0.0; k.len()], vec![0.0; v.len()]);
-                scalar.decode_rotated(&rs, &mut ks, &mut vs).unwrap();
-                coded.decode_rotated(&rt, &mut kt, &mut vt).unwrap();
-                assert!(err(&k, &kt) < 0.8 * err(&k, &ks), "{axis:?} {bits}-bit K");
-                assert!(err(&v, &vt) < 0.8 * err(&v, &vs), "{axis:?} {bits}-bit V");
-            }
+    fn trellis_sides_are_the_reference_bodies_only() {
+        let spec = BodySpec::new(64, 3, 2).unwrap();
+        let t = BodyCoding::Trellis(TrellisAxis::Token);
+        for (k, v) in [(t, t), (t, BodyCoding::Scalar), (BodyCoding::Scalar, t)] {
+            assert!(spec.with_coding(k, v).is_err());
         }
-        let spec = BodySpec::new(64, 5, 4).unwrap();
         assert!(spec
-            .with_coding(BodyCoding::Trellis(TrellisAxis::Token), BodyCoding::Scalar)
-            .is_err());
-        assert!(spec
-            .with_coding(BodyCoding::Scalar, BodyCoding::Trellis(TrellisAxis::Token))
+            .with_coding(BodyCoding::Scalar, BodyCoding::Scalar)
             .is_ok());
     }
 }

@@ -69,11 +69,7 @@ pub fn target_records(input: &[u8]) -> Result<Outcome, String> {
         1..=3 => {
             let d = b.pick(&[64usize, 128, 256, 512]);
             let (kb, vb) = (b.pick(&BODY_BITS), b.pick(&BODY_BITS));
-            let codings = [
-                BodyCoding::Scalar,
-                BodyCoding::Trellis(TrellisAxis::Token),
-                BodyCoding::Trellis(TrellisAxis::Channel),
-            ];
+            let codings = [BodyCoding::Scalar, BodyCoding::Trellis(TrellisAxis::Token)];
             let (kc, vc) = (b.pick(&codings), b.pick(&codings));
             // Reference records wherever the reference defines the coding, extensions otherwise.
             let codec = match crate::codec::BodyCodec::for_layer(
@@ -100,16 +96,17 @@ pub fn target_records(input: &[u8]) -> Result<Outcome, String> {
             })
         }
         _ => {
-            let bits = 1 + b.u8() as u32 % 5;
-            let run = b.u16() as usize % 300;
-            let runs = b.u8() as usize % 4;
-            let mut out = vec![0.0f32; run * runs];
-            Ok(
-                match crate::trellis::decode_runs(bits, b.rest(), run, &mut out, Some(1)) {
-                    Ok(()) => "trellis ok".into(),
-                    Err(e) => format!("trellis err {}", variant(&e.to_string())),
-                },
-            )
+            // A tq6_0 staging row of the reference (any bytes decode to finite values or a
+            // non-finite norm, never a panic).
+            let d = b.pick(&[64usize, 128, 256, 512]);
+            let bytes = b.rest();
+            let need = crate::codec::tq6::row_bytes(d);
+            if bytes.len() < need {
+                return Ok("tq6 short".into());
+            }
+            let mut out = vec![0.0f32; d];
+            crate::codec::tq6::decode_row(&bytes[..need], &mut out);
+            Ok("tq6 ok".into())
         }
     }
 }
@@ -157,11 +154,7 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     let d = b.pick(&[64usize, 128, 96, 0]);
     let layers = b.u8() as usize % 3;
     let (kb, vb) = (b.pick(&[2u32, 3, 4, 7, 8]), b.pick(&[2u32, 3, 4, 1]));
-    let coding = b.pick(&[
-        BodyCoding::Scalar,
-        BodyCoding::Trellis(TrellisAxis::Token),
-        BodyCoding::Trellis(TrellisAxis::Channel),
-    ]);
+    let coding = b.pick(&[BodyCoding::Scalar, BodyCoding::Trellis(TrellisAxis::Token)]);
     let mut config = CacheConfig::uniform(layers, q, kv, d, LayerCoding::scalar(kb, vb), 4096);
     for lc in config.layer_coding.iter_mut() {
         lc.k_coding = coding;

@@ -25,8 +25,6 @@ mod lloyd_max_tables;
 pub mod records;
 pub mod rng;
 pub mod tq;
-pub mod trellis;
-pub mod trellis_train;
 
 pub use balance::{BalanceConfig, BalanceMode, BalanceStat};
 pub use body::{BodySpec, GROUP};

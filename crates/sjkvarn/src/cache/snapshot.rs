@@ -52,7 +52,6 @@ fn coding_byte(c: BodyCoding) -> u8 {
     match c {
         BodyCoding::Scalar => 0,
         BodyCoding::Trellis(TrellisAxis::Token) => 1,
-        BodyCoding::Trellis(TrellisAxis::Channel) => 2,
     }
 }
 
@@ -60,7 +59,6 @@ fn coding_of(b: u8) -> CacheResult<BodyCoding> {
     match b {
         0 => Ok(BodyCoding::Scalar),
         1 => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
-        2 => Ok(BodyCoding::Trellis(TrellisAxis::Channel)),
         _ => Err(corrupt("unknown body coding")),
     }
 }
