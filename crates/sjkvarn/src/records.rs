@@ -13,13 +13,6 @@ use crate::error::{check_finite, CodecError, Result};
 use crate::format::with_threads;
 use rayon::prelude::*;
 
-fn head_dim(codec: &BodyCodec) -> usize {
-    match codec {
-        BodyCodec::Reference { layout, .. } => layout.head_dim,
-        BodyCodec::Extension { spec, .. } => spec.head_dim,
-    }
-}
-
 fn tile_count(d: usize, what: &'static str, len: usize) -> Result<usize> {
     let tile = GROUP * d;
     if len == 0 || len % tile != 0 {
@@ -40,7 +33,7 @@ pub fn encode_records(
     rotated: bool,
     threads: Option<usize>,
 ) -> Result<Vec<u8>> {
-    let d = head_dim(codec);
+    let d = codec.head_dim();
     let n = tile_count(d, "K tiles", k.len())?;
     if v.len() != k.len() {
         return Err(CodecError::LengthMismatch {
@@ -99,7 +92,7 @@ pub fn decode_records(
     rotated: bool,
     threads: Option<usize>,
 ) -> Result<()> {
-    let d = head_dim(codec);
+    let d = codec.head_dim();
     let n = tile_count(d, "K output", k.len())?;
     if v.len() != k.len() {
         return Err(CodecError::LengthMismatch {
@@ -122,13 +115,13 @@ pub fn decode_records(
             .par_chunks(rb)
             .zip(k.par_chunks_mut(tile).zip(v.par_chunks_mut(tile)))
             .try_for_each(|(rec, (kt, vt))| {
-                let (kk, vv) = codec.decode_model_frame(rec)?;
+                let (kk, vv) = if rotated {
+                    codec.decode_rotated(rec)?
+                } else {
+                    codec.decode_model_frame(rec)?
+                };
                 kt.copy_from_slice(&kk);
                 vt.copy_from_slice(&vv);
-                if rotated {
-                    rotate_heads(kt, d)?;
-                    rotate_heads(vt, d)?;
-                }
                 Ok(())
             })
     })?

@@ -106,13 +106,10 @@ impl BodyCodec {
         }
     }
 
-    /// A record decoded to the model frame: `(keys, values)`, each `[G][head_dim]` (checks and
-    /// tools; attention reads the absorbed-scale halves).
-    pub fn decode_model_frame(&self, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
-        let d = match self {
-            BodyCodec::Reference { layout, .. } => layout.head_dim,
-            BodyCodec::Extension { spec, .. } => spec.head_dim,
-        };
+    /// A record decoded in the Hadamard frame: `(keys, values)`, each `[G][head_dim]` (the exact
+    /// values attention reads; checks and tools).
+    pub fn decode_rotated(&self, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let d = self.head_dim();
         let (mut k, mut v) = (vec![0f32; GROUP * d], vec![0f32; GROUP * d]);
         match self {
             BodyCodec::Reference { layout, .. } => {
@@ -127,9 +124,23 @@ impl BodyCodec {
             }
             BodyCodec::Extension { spec, .. } => spec.decode_rotated(rec, &mut k, &mut v)?,
         }
+        Ok((k, v))
+    }
+
+    /// A record decoded to the model frame (rotated back, head by head).
+    pub fn decode_model_frame(&self, rec: &[u8]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut k, mut v) = self.decode_rotated(rec)?;
+        let d = self.head_dim();
         super::rotation::rotate_heads(&mut k, d)?;
         super::rotation::rotate_heads(&mut v, d)?;
         Ok((k, v))
+    }
+
+    pub fn head_dim(&self) -> usize {
+        match self {
+            BodyCodec::Reference { layout, .. } => layout.head_dim,
+            BodyCodec::Extension { spec, .. } => spec.head_dim,
+        }
     }
 
     /// Width of one half (the head for reference records).
