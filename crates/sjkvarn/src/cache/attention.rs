@@ -23,9 +23,8 @@ use rayon::prelude::*;
 struct Softmax {
     max: f32,
     sum: f32,
-    /// Value sums in the model frame and in the rotated frame.
-    plain: Vec<f32>,
-    rotated: Vec<f32>,
+    /// Value sum in the rotated frame.
+    acc: Vec<f32>,
 }
 
 impl Softmax {
@@ -33,8 +32,7 @@ impl Softmax {
         Self {
             max: f32::NEG_INFINITY,
             sum: 0.0,
-            plain: vec![0.0; d],
-            rotated: vec![0.0; d],
+            acc: vec![0.0; d],
         }
     }
 
@@ -51,8 +49,7 @@ impl Softmax {
         let rescale = (self.max - new_max).exp();
         if rescale != 1.0 {
             self.sum *= rescale;
-            self.plain.iter_mut().for_each(|v| *v *= rescale);
-            self.rotated.iter_mut().for_each(|v| *v *= rescale);
+            self.acc.iter_mut().for_each(|v| *v *= rescale);
         }
         self.max = new_max;
         for (w, &x) in weights[..visible].iter_mut().zip(&logits[..visible]) {
@@ -63,9 +60,8 @@ impl Softmax {
     }
 }
 
-/// The query rows of one KV head's group.
+/// The rotated query rows of one KV head's group.
 struct Queries<'a> {
-    plain: &'a [f32],
     rotated: &'a [f32],
     n: usize,
     gs: usize,
@@ -78,10 +74,9 @@ struct Queries<'a> {
 }
 
 impl Queries<'_> {
-    fn query(&self, rotated: bool, i: usize, j: usize) -> &[f32] {
+    fn query(&self, i: usize, j: usize) -> &[f32] {
         let head = self.kv_head * self.gs + j;
-        let buf = if rotated { self.rotated } else { self.plain };
-        &buf[(i * self.qh + head) * self.d..(i * self.qh + head + 1) * self.d]
+        &self.rotated[(i * self.qh + head) * self.d..(i * self.qh + head + 1) * self.d]
     }
 
     /// Positions visible to query row `i` in a block of `rows` starting at `first`.
@@ -89,7 +84,7 @@ impl Queries<'_> {
         (self.base + i + 1).saturating_sub(first).min(rows)
     }
 
-    /// Folds a block of dense K/V rows (`[rows][d]`, in the given frame) into every state.
+    /// Folds a block of dense rotated K/V rows (`[rows][d]`) into every state.
     #[allow(clippy::too_many_arguments)]
     fn dense(
         &self,
@@ -98,7 +93,6 @@ impl Queries<'_> {
         rows: usize,
         kb: &[f32],
         vb: &[f32],
-        rotated: bool,
         logits: &mut [f32],
         weights: &mut [f32],
     ) {
@@ -106,17 +100,13 @@ impl Queries<'_> {
         for i in 0..self.n {
             let visible = self.visible(i, first, rows);
             for j in 0..self.gs {
-                let qv = self.query(rotated, i, j);
+                let qv = self.query(i, j);
                 for t in 0..visible {
                     logits[t] = dot(qv, &kb[t * d..(t + 1) * d]) * self.scale;
                 }
                 let st = &mut states[i * self.gs + j];
                 if st.fold(logits, visible, weights) {
-                    let acc = if rotated {
-                        &mut st.rotated
-                    } else {
-                        &mut st.plain
-                    };
+                    let acc = &mut st.acc;
                     for t in 0..visible {
                         let w = weights[t];
                         for (a, &vv) in acc.iter_mut().zip(&vb[t * d..(t + 1) * d]) {
@@ -217,7 +207,6 @@ pub fn attend(
         .map(|h| {
             let mut states = vec![Softmax::new(d); n * gs];
             let ctx = Queries {
-                plain: q,
                 rotated: &q_rot,
                 n,
                 gs,
@@ -250,7 +239,6 @@ pub fn attend(
                     rows,
                     &kblk,
                     &vblk,
-                    true,
                     &mut logits,
                     &mut weights,
                 );
@@ -267,7 +255,7 @@ pub fn attend(
                 for i in 0..n {
                     let visible = ctx.visible(i, first, GROUP);
                     for j in 0..gs {
-                        let qv = ctx.query(true, i, j);
+                        let qv = ctx.query(i, j);
                         logits[..visible].fill(0.0);
                         for (half, hd) in halves.iter().enumerate() {
                             add_key_scores(
@@ -285,7 +273,7 @@ pub fn attend(
                                 add_values(
                                     hd,
                                     &weights[..visible],
-                                    &mut st.rotated[half * r..(half + 1) * r],
+                                    &mut st.acc[half * r..(half + 1) * r],
                                 );
                             }
                         }
@@ -294,7 +282,6 @@ pub fn attend(
             }
 
             // Ring, in blocks aligned to 128 positions.
-            let rotated = true;
             let mut first = lj.ring_start(cfg.sink);
             while first < lj.len {
                 let rows = (lj.len - first).min(GROUP);
@@ -308,22 +295,19 @@ pub fn attend(
                     rows,
                     &kblk,
                     &vblk,
-                    rotated,
                     &mut logits,
                     &mut weights,
                 );
                 first += rows;
             }
 
-            // Normalise, rotate the rotated-frame sum back, add the model-frame sum.
+            // Normalise and rotate the value sum back to the model frame.
             let mut out = vec![0.0f32; n * gs * d];
             for (o, st) in out.chunks_exact_mut(d).zip(&states) {
-                o.copy_from_slice(&st.rotated);
+                o.copy_from_slice(&st.acc);
                 rotate_rows(o, d)?;
                 let inv = 1.0 / st.sum;
-                for (x, &p) in o.iter_mut().zip(&st.plain) {
-                    *x = (*x + p) * inv;
-                }
+                o.iter_mut().for_each(|x| *x *= inv);
             }
             Ok(out)
         })

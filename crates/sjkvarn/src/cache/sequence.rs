@@ -154,18 +154,6 @@ impl Drop for Sequence {
     }
 }
 
-/// Positions `(sink, body, ring)` of a layer with `len` tokens and `sealed` groups after a
-/// `sink`-position sink.
-pub fn regions_at(sink: usize, len: usize, sealed: usize) -> [std::ops::Range<usize>; 3] {
-    let sink_end = len.min(sink);
-    let body_end = if len <= sink {
-        sink_end
-    } else {
-        sink + GROUP * sealed
-    };
-    [0..sink_end, sink_end..body_end, body_end..len]
-}
-
 impl Sequence {
     /// A new, empty sequence whose sealed records go to `pool`.
     pub fn new(config: Arc<CacheConfig>, pool: Arc<RecordPool>) -> CacheResult<Self> {
@@ -253,7 +241,7 @@ impl Sequence {
     /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
     pub fn regions(&self, layer: usize) -> CacheResult<[std::ops::Range<usize>; 3]> {
         let l = self.layer(layer)?;
-        Ok(regions_at(self.config.sink, l.len, l.sealed))
+        Ok(self.config.rules().regions(&l.state()))
     }
 
     /// How many tokens the next append to `layer` runs as one ubatch (a seal can only run at

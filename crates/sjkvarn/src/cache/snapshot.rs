@@ -306,6 +306,10 @@ impl Sequence {
         };
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let ring_rows = cfg.ring_rows();
+        let layer_record_bytes: Vec<usize> = layers
+            .iter()
+            .map(|&l| cfg.body_codec(l).record_bytes())
+            .collect();
         let mut fill = |item: StateItem, dst: &mut [u8]| match item {
             StateItem::SinkRow { layer, pos, head } => {
                 let l = &self.layers[layers[layer as usize]];
@@ -316,9 +320,8 @@ impl Sequence {
                 }
             }
             StateItem::Record { layer, group, head } => {
-                let index = layers[layer as usize];
-                let l = &self.layers[index];
-                let rb = cfg.body_codec(index).record_bytes();
+                let l = &self.layers[layers[layer as usize]];
+                let rb = layer_record_bytes[layer as usize];
                 let slot = self.pool().get(l.blocks[group as usize]);
                 let head = head as usize;
                 dst.fill(0);
@@ -373,6 +376,10 @@ impl Sequence {
         let hd = info.header;
         let (h, d) = (config.kv_heads, config.head_dim);
         let ring_rows = config.ring_rows();
+        let layer_record_bytes: Vec<usize> = layers
+            .iter()
+            .map(|&l| config.body_codec(l).record_bytes())
+            .collect();
         let n_rec = ((hd.b - hd.identity.sink) / hd.identity.group) as usize;
         let slot_bytes = config.slot_bytes();
         let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * layers.len()];
@@ -391,7 +398,7 @@ impl Sequence {
                 }
             }
             StateItem::Record { layer, group, head } => {
-                let rb = config.body_codec(layers[layer as usize]).record_bytes();
+                let rb = layer_record_bytes[layer as usize];
                 let slot = &mut slots[layer as usize * n_rec + group as usize];
                 let head = head as usize;
                 slot[head * rb..(head + 1) * rb].copy_from_slice(&src[..rb]);

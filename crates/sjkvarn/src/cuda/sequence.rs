@@ -11,7 +11,7 @@
 use super::kernels::Kernels;
 use super::{CudaError, CudaResult};
 use crate::cache::pool::SlotId;
-use crate::cache::sequence::{memory_report, regions_at, LayerImage, MemoryReport};
+use crate::cache::sequence::{memory_report, LayerImage, MemoryReport};
 use crate::cache::staging::RowCodec;
 use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
 use crate::codec::{Body, RecordLayout, ITERS};
@@ -321,7 +321,7 @@ impl DeviceSequence {
     /// Positions `(sink, body, ring)` of `layer`.
     pub fn regions(&self, layer: usize) -> CudaResult<[std::ops::Range<usize>; 3]> {
         let l = self.layer(layer)?;
-        Ok(regions_at(SINK, l.len, l.sealed))
+        Ok(self.config.rules().regions(&l.state()))
     }
 
     /// Tokens the next append to `layer` can take with no seal inside it.
