@@ -1,9 +1,10 @@
-//! Compiles `shim.cpp`, which includes the kernel headers from `cuda/` as plain C++.
+//! Compiles `shim.cpp`, which includes the kernel headers from `crates/sjkvarn/cuda/` as plain
+//! C++.
 fn main() {
-    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
+    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../sjkvarn/cuda");
     println!("cargo:rerun-if-changed=shim.cpp");
     println!("cargo:rerun-if-changed={}", cuda.display());
-    for entry in std::fs::read_dir(&cuda).expect("cuda/ exists") {
+    for entry in std::fs::read_dir(&cuda).expect("crates/sjkvarn/cuda/ exists") {
         println!(
             "cargo:rerun-if-changed={}",
             entry.expect("dir entry").path().display()

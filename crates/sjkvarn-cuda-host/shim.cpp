@@ -1,5 +1,5 @@
 // C entry points over the kernel lane functions, run with one lane on the CPU. Each mirrors
-// the body of a kernel in cuda/sjkvarn.cu (same lane functions, same arguments).
+// the body of a kernel in crates/sjkvarn/cuda/sjkvarn.cu (same lane functions, same arguments).
 #include <vector>
 
 #include "sj_attention.cuh"

@@ -1,4 +1,4 @@
-//! Host builds of the CUDA kernels' lane functions (`cuda/*.cuh`), for testing them against the
+//! Host builds of the CUDA kernels' lane functions (`crates/sjkvarn/cuda/*.cuh`), for testing them against the
 //! Rust reference (`sjkvarn::codec`) on machines without a GPU. Each wrapper runs the same code a
 //! kernel block runs, with one lane.
 

@@ -1,5 +1,5 @@
-//! The data the CUDA kernels take, laid out exactly as the C structs in `cuda/sj_layer.cuh`,
-//! and the kernel source text with its headers inlined.
+//! The data the CUDA kernels take, laid out exactly as the C structs in this crate's
+//! `cuda/sj_layer.cuh`, and the kernel source text with its headers inlined.
 //!
 //! Nothing here needs CUDA: the host tests (`crates/sjkvarn-cuda-host`) build the same structs
 //! over host memory and run the kernels' lane functions on the CPU, and the `cuda` feature fills
@@ -174,26 +174,14 @@ pub fn attend_shared_floats(group: usize, head_dim: usize) -> usize {
 
 /// Kernel sources by file name, embedded at build time.
 pub const KERNEL_FILES: [(&str, &str); 8] = [
-    ("sjkvarn.cu", include_str!("../../../cuda/sjkvarn.cu")),
-    ("sj_common.cuh", include_str!("../../../cuda/sj_common.cuh")),
-    (
-        "sj_hadamard.cuh",
-        include_str!("../../../cuda/sj_hadamard.cuh"),
-    ),
-    (
-        "sj_staging.cuh",
-        include_str!("../../../cuda/sj_staging.cuh"),
-    ),
-    ("sj_layer.cuh", include_str!("../../../cuda/sj_layer.cuh")),
-    ("sj_seal.cuh", include_str!("../../../cuda/sj_seal.cuh")),
-    (
-        "sj_trellis.cuh",
-        include_str!("../../../cuda/sj_trellis.cuh"),
-    ),
-    (
-        "sj_attention.cuh",
-        include_str!("../../../cuda/sj_attention.cuh"),
-    ),
+    ("sjkvarn.cu", include_str!("../cuda/sjkvarn.cu")),
+    ("sj_common.cuh", include_str!("../cuda/sj_common.cuh")),
+    ("sj_hadamard.cuh", include_str!("../cuda/sj_hadamard.cuh")),
+    ("sj_staging.cuh", include_str!("../cuda/sj_staging.cuh")),
+    ("sj_layer.cuh", include_str!("../cuda/sj_layer.cuh")),
+    ("sj_seal.cuh", include_str!("../cuda/sj_seal.cuh")),
+    ("sj_trellis.cuh", include_str!("../cuda/sj_trellis.cuh")),
+    ("sj_attention.cuh", include_str!("../cuda/sj_attention.cuh")),
 ];
 
 /// The kernel translation unit with every `#include "..."` of our headers inlined once, so

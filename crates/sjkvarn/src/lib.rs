@@ -1,9 +1,55 @@
-//! sjkvarn: the SJ-KVaRN KV-cache codec.
+//! sjkvarn: the SJ-KVaRN KV-cache codec, its journal and attention over the compressed cache.
 //!
-//! Keys and values are Hadamard-rotated ([`hadamard`]), staged in the 6-bit [`tq`] format, and
-//! sealed in 128-token groups into low-bit [`body`] records after Sinkhorn [`balance`]-ing. The
-//! llama.cpp [`ggml`] formats and the rotated `turbo`/`tq` formats are comparators, reachable by
-//! name through [`format`]. Byte layouts: `docs/formats.md`.
+//! A KV cache for LLM inference keeps, per layer, a 128-token fp16 *sink*, a 6-bit staging
+//! *ring* of recent tokens, and older tokens sealed in 128-token *body records*: keys and values
+//! are Walsh-Hadamard rotated, Sinkhorn balanced and coded at 2/3/4 bits (scalar rounding or a
+//! 64-state trellis) with absorbed fp16 scales. Records live in a [`cache::RecordPool`] shared by
+//! many [`cache::Sequence`]s (forks share their prefix); [`cache::attention::attend`] reads the
+//! compressed cache directly. Everything runs on the CPU (the reference implementation); the
+//! optional `cuda` feature adds a device backend (`cuda::DeviceSequence`) whose kernels
+//! (this crate's `cuda/` folder) are compiled with NVRTC at run time, so nothing CUDA is needed
+//! to build.
+//!
+//! **Format.** The bytes are SJ-KVaRN as defined by the MIT-licensed C99 reference codec,
+//! [JakeATX/sj-kvarn-codec](https://github.com/JakeATX/sj-kvarn-codec) v2.0: body records
+//! ([`codec`]), the `tq6_0` staging rows, the journal rules ([`journal`]) and the `SJKVSEQ`
+//! sequence state stream ([`cache::Sequence::state_bytes`]); the reference's bit-exactness
+//! vectors and golden state hashes are reproduced by this crate's tests. Extensions (64-wide
+//! trellis heads, 5/6/8-bit sides, `q8_0` staging) and the comparator formats ([`ggml`], [`tq`],
+//! reachable by name through [`format`](mod@format)) are described with every byte layout in
+//! the repository's `docs/formats.md`.
+//!
+//! ```
+//! use sjkvarn::cache::attention::attend;
+//! use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
+//! use sjkvarn::rng::SplitMix64;
+//! use std::sync::Arc;
+//!
+//! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens;
+//! // a 256/512 tail instead of the default 4,096/8,192 so that this short prompt seals records.
+//! let mut config = CacheConfig::uniform(2, 4, 2, 128, LayerCoding::scalar(4, 4), 4096);
+//! (config.min_tail, config.max_tail) = (256, 512);
+//! let config = Arc::new(config);
+//! let mut seq = Sequence::new(config.clone(), Sequence::pool_for(&config, 1))?;
+//! let (kv, qv) = (config.kv_heads * config.head_dim, config.q_heads * config.head_dim);
+//! let mut rng = SplitMix64::new(7); // stand-in for a model's post-RoPE K, V and Q
+//! for layer in 0..config.layers {
+//!     while seq.len(layer)? < 1500 {
+//!         let n = seq.chunk_limit(layer)?.min(1500 - seq.len(layer)?); // one ubatch
+//!         seq.append(layer, &rng.gaussians(n * kv), &rng.gaussians(n * kv))?;
+//!     }
+//!     let out = attend(&seq, layer, &rng.gaussians(qv), None)?; // one query, last position
+//!     assert_eq!(out.len(), qv);
+//! }
+//! let m = seq.memory();
+//! assert!(m.sealed_tokens > 0);
+//! println!("{} tokens, {:.2} bits/value occupied", m.tokens, m.effective_bits);
+//! println!("SJKVSEQ state: {} bytes", seq.state_bytes()?.len());
+//! # Ok::<(), sjkvarn::cache::CacheError>(())
+//! ```
+//!
+//! Lower layers: [`hadamard`], [`balance`], [`body`], [`tq`] and [`records`] (the v1 extension
+//! body and comparators); `examples/serve.rs` shows a server loop over many sequences.
 
 pub mod balance;
 pub mod bitpack;

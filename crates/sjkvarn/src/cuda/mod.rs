@@ -1,5 +1,6 @@
 //! CUDA backend (feature `cuda`): the journal of [`crate::cache::Sequence`] with its bytes in
-//! device memory, driven by the kernels in `cuda/` (compiled with NVRTC at first use).
+//! device memory, driven by the kernels in the crate's `cuda/` folder (compiled with NVRTC at
+//! first use).
 //!
 //! `libcuda` and `libnvrtc` are loaded at run time, so the crate builds and every CPU path runs
 //! on machines with no CUDA at all; [`availability`] says why the backend cannot run there.
