@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sjkvarn import codec
-from sjkvarn.report import nmse
+from sjkvarn.eval.report import nmse
 
 
 def round_trip(k: np.ndarray, v: np.ndarray, **kw: object) -> tuple[float, float]:

@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from sjkvarn import cli, models
+from sjkvarn import cli
+from sjkvarn.eval import models
 
 
 def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:

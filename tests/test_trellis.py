@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sjkvarn import CodecError, codec
-from sjkvarn.report import nmse
+from sjkvarn.eval.report import nmse
 
 
 @pytest.mark.parametrize("bits", [2, 3])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sjkvarn import codec
-from sjkvarn.report import nmse
+from sjkvarn.eval.report import nmse
 
 ROOT = Path(__file__).resolve().parents[1]
 

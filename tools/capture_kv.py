@@ -38,7 +38,7 @@ def stdlib_text(min_chars: int) -> str:
 
 
 def capture(model_path: str | None, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    from sjkvarn import analyze, models
+    from sjkvarn.eval import analyze, models
 
     net, tok = models.load(model_path)
     layers = analyze.capture(net, tok, stdlib_text(tokens * 8), tokens)

@@ -1,20 +1,27 @@
 """sjkvarn: journaled, low-bit KV-cache compression (SJ-KVaRN).
 
-The codec lives in the Rust core; this package is a thin typed layer over ``sjkvarn._core``.
+The codec lives in the Rust core; this package is a thin typed layer over ``sjkvarn._core`` and
+needs numpy only (torch only where torch tensors are passed in). ``sjkvarn.hf`` (the
+``transformers`` integration) needs the ``hf`` extra; the evaluation harness ``sjkvarn.eval``
+the ``eval`` extra.
 """
 
 from sjkvarn import codec
-from sjkvarn._core import GROUP, CodecError
-from sjkvarn.cache import (
-    Cache,
+from sjkvarn._core import GROUP
+from sjkvarn.cache import Cache, Config, CudaStatus, cuda_available
+from sjkvarn.errors import (
     CacheError,
-    Config,
+    CodecError,
+    CorruptDataError,
     CudaBackendError,
-    CudaStatus,
     CudaUnavailableError,
+    InvalidInputError,
+    LayerIndexError,
+    OutOfMemoryError,
     PoolExhaustedError,
+    SjkvarnError,
     SnapshotError,
-    cuda_available,
+    UnsupportedTypeError,
 )
 
 __all__ = [
@@ -23,11 +30,17 @@ __all__ = [
     "CacheError",
     "CodecError",
     "Config",
+    "CorruptDataError",
     "CudaBackendError",
     "CudaStatus",
     "CudaUnavailableError",
+    "InvalidInputError",
+    "LayerIndexError",
+    "OutOfMemoryError",
     "PoolExhaustedError",
+    "SjkvarnError",
     "SnapshotError",
+    "UnsupportedTypeError",
     "codec",
     "cuda_available",
 ]

@@ -12,12 +12,14 @@ after the work already on torch's current stream (an event) and before anything 
 there afterwards (another event), so callers use the results as if they were computed on
 torch's current stream. ``append`` returns once its inputs have been read.
 
-Errors: :class:`CacheError` (a ``ValueError``) for bad shapes, values, settings and positions,
-:class:`PoolExhaustedError` when a seal finds no free record slot, :class:`SnapshotError` for a
-refused snapshot, ``IndexError`` for a layer that does not exist, ``TypeError`` for unsupported
-types and dtypes, ``ValueError`` for tensors on the wrong device, ``OSError`` for file errors,
-:class:`CudaUnavailableError` (a ``RuntimeError``) when ``device="cuda"`` cannot run here. A call
-that raises leaves the cache as it was.
+Errors (``docs/errors.md``, the same on both backends): :class:`InvalidInputError` (a
+``ValueError``) for bad shapes, values, settings, positions and devices,
+:class:`UnsupportedTypeError` (also a ``TypeError``) for unsupported types and dtypes,
+:class:`LayerIndexError` (also an ``IndexError``) for a layer that does not exist,
+:class:`CorruptDataError` for a refused snapshot or state stream, :class:`PoolExhaustedError`
+when a seal finds no free record slot, ``OSError`` for file errors, :class:`CudaUnavailableError`
+when ``device="cuda"`` cannot run here. A call that raises leaves the cache as it was. A cache
+may be shared by threads: its calls are serialised and run with the GIL released.
 """
 
 from __future__ import annotations
@@ -29,12 +31,30 @@ from typing import Any
 import numpy as np
 
 from sjkvarn import _core
+from sjkvarn.errors import (
+    CacheError,
+    CorruptDataError,
+    CudaBackendError,
+    CudaUnavailableError,
+    InvalidInputError,
+    LayerIndexError,
+    PoolExhaustedError,
+    SnapshotError,
+    UnsupportedTypeError,
+)
 
-CacheError = _core.CacheError
-PoolExhaustedError = _core.PoolExhaustedError
-SnapshotError = _core.SnapshotError
-CudaUnavailableError = _core.CudaUnavailableError
-CudaBackendError = _core.CudaBackendError
+__all__ = [
+    "Cache",
+    "CacheError",
+    "Config",
+    "CorruptDataError",
+    "CudaBackendError",
+    "CudaStatus",
+    "CudaUnavailableError",
+    "PoolExhaustedError",
+    "SnapshotError",
+    "cuda_available",
+]
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ def _parse_device(device: str) -> tuple[str, int]:
         return "cuda", 0
     if text.startswith("cuda:") and text[5:].isdigit():
         return "cuda", int(text[5:])
-    raise CacheError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    raise InvalidInputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 @dataclass
@@ -141,7 +161,7 @@ class Config:
     def layer_coding(self) -> list[tuple[int, int, str, str]]:
         if self.layer_bits is not None:
             if len(self.layer_bits) != self.layers:
-                raise CacheError(
+                raise InvalidInputError(
                     f"layer_bits has {len(self.layer_bits)} entries for {self.layers} layers"
                 )
             rows = [(k, v, b, b) for k, v, b in self.layer_bits]
@@ -207,7 +227,7 @@ def _layer(layer: Any) -> int:
     """A layer index as the core takes it; negative indices do not exist."""
     i = int(layer)
     if i < 0:
-        raise IndexError(f"layer {i} does not exist (layers are numbered from 0)")
+        raise LayerIndexError(f"layer {i} does not exist (layers are numbered from 0)")
     return i
 
 
@@ -234,7 +254,7 @@ class Cache:
             return
         for name in ("layers", "kv_heads", "head_dim", "max_tokens", "pool_sequences"):
             if int(getattr(config, name)) < 1:
-                raise CacheError(f"{name} must be at least 1")
+                raise InvalidInputError(f"{name} must be at least 1")
         kind, self._ordinal = _parse_device(config.device)
         spec = _spec_of(config)
         if kind == "cuda":
@@ -251,9 +271,13 @@ class Cache:
         """A compact float32 view of a torch CUDA tensor on this cache's device."""
         if not _is_torch(x):
             kind = type(x).__name__
-            raise TypeError(f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}")
+            raise UnsupportedTypeError(
+                f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}"
+            )
         if x.device.type != "cuda" or x.device.index != self._ordinal:
-            raise ValueError(f"{what} is on {x.device}, this cache is on cuda:{self._ordinal}")
+            raise InvalidInputError(
+                f"{what} is on {x.device}, this cache is on cuda:{self._ordinal}"
+            )
         import torch
 
         return x.detach().to(torch.float32).contiguous()
@@ -272,7 +296,7 @@ class Cache:
         """
         if self.is_cuda:
             if rotated:
-                raise CacheError("rotated appends are CPU-only for now")
+                raise InvalidInputError("rotated appends are CPU-only for now")
             k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
             self._core.append(_layer(layer), k32, v32, self._stream())
             return
@@ -311,7 +335,7 @@ class Cache:
         ``n`` at or past the length changes nothing and returns the length.
         """
         if n < 0:
-            raise CacheError(f"cannot truncate to {n} tokens")
+            raise InvalidInputError(f"cannot truncate to {n} tokens")
         return int(self._core.truncate(int(n)))
 
     def seal_idle(self, keep_recent: int = 0) -> None:
@@ -319,7 +343,7 @@ class Cache:
         last ``max(keep_recent, min_tail)`` positions (pass ``length - k`` to keep a turn that
         starts at ``k`` exact)."""
         if keep_recent < 0:
-            raise CacheError(f"keep_recent must be >= 0, got {keep_recent}")
+            raise InvalidInputError(f"keep_recent must be >= 0, got {keep_recent}")
         self._core.seal_idle(int(keep_recent))
 
     def fork(self) -> Cache:
@@ -360,7 +384,7 @@ class Cache:
     @classmethod
     def from_state(cls, config: Config, data: bytes) -> Cache:
         """A CPU cache of ``config`` restored from an ``SJKVSEQ`` stream (from :meth:`state` or
-        the reference codec). Every mismatch or damage raises SnapshotError naming it."""
+        the reference codec). Every mismatch or damage raises CorruptDataError naming it."""
         core = _core.Cache.from_state(_spec_of(config), bytes(data), config.pool_sequences)
         return cls(replace(config, device="cpu"), _core_cache=core)
 
@@ -387,7 +411,8 @@ class Cache:
     def load(
         cls, path: str | os.PathLike[str], *, pool_sequences: int = 1, device: str = "cpu"
     ) -> Cache:
-        """Restores a snapshot; a mismatched, truncated or corrupted file raises SnapshotError."""
+        """Restores a snapshot; a mismatched, truncated or corrupted file raises
+        CorruptDataError."""
         core = _core.Cache.load(os.fspath(path), pool_sequences)
         config = _config_from_core(core.config(), pool_sequences)
         cache = cls(config, _core_cache=core)

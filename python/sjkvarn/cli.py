@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sjkvarn import memory, report
+from sjkvarn import memory
+from sjkvarn.eval import report
 from sjkvarn.memory import KNOWN_MODELS
 
 
@@ -52,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_commands = {"eval": run_eval, "analyze": run_analyze}
     if args.command in model_commands:
-        from sjkvarn import models
+        missing = missing_eval_packages()
+        if missing:
+            print(
+                f"sjkvarn {args.command} needs the evaluation extra (missing: "
+                f"{', '.join(missing)}): pip install 'sjkvarn[eval]' "
+                "(from a checkout: pip install '.[eval]')",
+                file=sys.stderr,
+            )
+            return 2
+        from sjkvarn.eval import models
 
         try:
             return model_commands[args.command](args, parser)
@@ -87,10 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+# The modules the evaluation harness imports beyond numpy (the `eval` extra in pyproject.toml).
+EVAL_MODULES = ("torch", "transformers", "gguf", "tqdm", "matplotlib")
+
+
+def missing_eval_packages() -> list[str]:
+    """Names of the `eval` extra's packages that are not importable here."""
+    import importlib.util
+
+    return [m for m in EVAL_MODULES if importlib.util.find_spec(m) is None]
+
+
 def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
-    from sjkvarn import evaluation, histories, models
+    from sjkvarn.eval import evaluation, histories, models
 
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
@@ -127,7 +148,7 @@ def run_analyze(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     from tqdm import tqdm
 
-    from sjkvarn import analyze, histories, models
+    from sjkvarn.eval import analyze, histories, models
 
     if args.tokens < 128:
         parser.error("--tokens must be at least 128")
@@ -150,7 +171,7 @@ def run_needles(args: argparse.Namespace, net: object, tok: object, hist: list) 
     import json
     from pathlib import Path
 
-    from sjkvarn import needles
+    from sjkvarn.eval import needles
 
     c = args.context_tokens
     distances = tuple(sorted({max(64, int(c * f)) for f in (1 / 12, 1 / 4, 1 / 2, 5 / 6)}))

@@ -2,8 +2,9 @@
 
 Inputs are numpy arrays or CPU torch tensors (float32, float16, bfloat16 or float64); they cross
 into Rust by DLPack, never through Python lists. Outputs are numpy float32 arrays (or a
-caller-provided float32 tensor via ``out=``). Every failure raises :class:`sjkvarn.CodecError`
-(a ``ValueError``), ``TypeError`` for wrong types and dtypes, or ``ValueError`` for wrong devices.
+caller-provided float32 tensor via ``out=``). Bad input raises :class:`sjkvarn.InvalidInputError`
+(a ``ValueError``; ``CodecError`` is its former name) or :class:`sjkvarn.UnsupportedTypeError`
+(also a ``TypeError``) for wrong types and dtypes; see ``docs/errors.md``.
 
 Flat block formats (``FORMATS``): ``f16``, llama.cpp ``q8_0 q4_0 q4_1 q5_0 q5_1`` (bit-exact with
 ``gguf.quants.quantize``), and the rotated norm-coded ``turbo3 turbo4 tq5_0 tq6_0`` (``tq6_0`` is
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sjkvarn import _core
+from sjkvarn.errors import InvalidInputError, UnsupportedTypeError
 
 GROUP: int = _core.GROUP
 
@@ -47,11 +49,11 @@ FORMATS: dict[str, FormatInfo] = {
 
 
 def format_info(fmt: str) -> FormatInfo:
-    """Block geometry of ``fmt``; raises CodecError for an unknown name."""
+    """Block geometry of ``fmt``; raises InvalidInputError for an unknown name."""
     try:
         return FORMATS[fmt.lower()]
     except KeyError:
-        raise _core.CodecError(
+        raise InvalidInputError(
             f"unknown format {fmt!r}; known formats: {', '.join(FORMATS)}"
         ) from None
 
@@ -70,7 +72,9 @@ def _blob(blob: bytes | bytearray | memoryview) -> bytes:
         return blob
     if isinstance(blob, (bytearray, memoryview)):
         return bytes(blob)
-    raise TypeError(f"blob must be bytes, bytearray or memoryview, got {type(blob).__name__}")
+    raise UnsupportedTypeError(
+        f"blob must be bytes, bytearray or memoryview, got {type(blob).__name__}"
+    )
 
 
 def encode(fmt: str, array: Any, *, rotated: bool = False, threads: int | None = None) -> bytes:
@@ -96,7 +100,7 @@ def decode(
     if out is None:
         out = np.empty(tuple(int(s) for s in shape), dtype=np.float32)
     elif tuple(out.shape) != tuple(shape):
-        raise _core.CodecError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        raise InvalidInputError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
     _core.decode_into(fmt, _blob(blob), out, threads, bool(rotated))
     return out
 
@@ -111,7 +115,7 @@ class BodyLayout:
 
 
 def body_layout(head_dim: int, k_bits: int, v_bits: int) -> BodyLayout:
-    """Record size; raises CodecError for unsupported head sizes or bit widths."""
+    """Record size; raises InvalidInputError for unsupported head sizes or bit widths."""
     return BodyLayout(*_core.body_layout(head_dim, k_bits, v_bits))
 
 
@@ -173,7 +177,7 @@ def decode_body(
     data = _blob(blob)
     record = body_layout(head_dim, k_bits, v_bits).record_bytes
     if len(data) == 0 or len(data) % record:
-        raise _core.CodecError(
+        raise InvalidInputError(
             f"blob of {len(data)} bytes is not a whole number of {record}-byte records"
         )
     shape = (len(data) // record, GROUP, head_dim)

@@ -1,9 +1,9 @@
 //! `sjkvarn._core.Cache`: one sequence of the journaled cache, tensors by DLPack.
 
+use crate::coding;
 use crate::dlpack::{read_f32, with_f32_out};
-use crate::{coding, CodecError};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyIndexError, PyMemoryError, PyOSError, PyValueError};
+use crate::errors::{self, invalid};
+use crate::shared::Shared;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::cache::attention::attend;
@@ -15,35 +15,8 @@ use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-create_exception!(
-    _core,
-    CacheError,
-    PyValueError,
-    "Invalid use of a cache; the cache is unchanged."
-);
-create_exception!(
-    _core,
-    PoolExhaustedError,
-    CacheError,
-    "The record pool has no free slots for a seal."
-);
-create_exception!(
-    _core,
-    SnapshotError,
-    CacheError,
-    "A snapshot file was refused."
-);
-
 pub(crate) fn err(e: CoreError) -> PyErr {
-    match e {
-        CoreError::LayerOutOfRange { .. } => PyIndexError::new_err(e.to_string()),
-        CoreError::PoolExhausted { .. } => PoolExhaustedError::new_err(e.to_string()),
-        CoreError::Snapshot(_) | CoreError::State(_) => SnapshotError::new_err(e.to_string()),
-        CoreError::Io(_) => PyOSError::new_err(e.to_string()),
-        CoreError::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
-        CoreError::Codec(c) => CodecError::new_err(c.to_string()),
-        _ => CacheError::new_err(e.to_string()),
-    }
+    errors::cache(e)
 }
 
 /// A validated cache configuration, built once from the Python-side arguments and handed to
@@ -93,7 +66,7 @@ impl CacheSpec {
             "f16" => SinkType::F16,
             "inherit" => SinkType::Inherit,
             _ => {
-                return Err(CacheError::new_err(format!(
+                return Err(invalid(format!(
                     "sink_type must be 'f16' or 'inherit', got '{sink_type}'"
                 )))
             }
@@ -201,7 +174,7 @@ fn build_config(
             "final" => BalanceMode::Final,
             "best" => BalanceMode::Best,
             _ => {
-                return Err(CacheError::new_err(format!(
+                return Err(invalid(format!(
                     "mode must be 'final' or 'best', got '{mode}'"
                 )))
             }
@@ -210,7 +183,7 @@ fn build_config(
             "std" => BalanceStat::Std,
             "rms" => BalanceStat::Rms,
             _ => {
-                return Err(CacheError::new_err(format!(
+                return Err(invalid(format!(
                     "stat must be 'std' or 'rms', got '{stat}'"
                 )))
             }
@@ -261,16 +234,37 @@ pub(crate) fn memory_dict<'py>(
     Ok(d)
 }
 
-/// One sequence: sink, staging ring and sealed records in a (shareable) pool.
-#[pyclass(module = "sjkvarn._core")]
+/// One sequence: sink, staging ring and sealed records in a (shareable) pool. Safe to share
+/// between Python threads (see `shared`).
+#[pyclass(frozen, module = "sjkvarn._core")]
 pub struct Cache {
-    pub(crate) seq: Sequence,
+    pub(crate) seq: Shared<Sequence>,
+    /// The sequence's configuration, readable without taking the lock.
+    pub(crate) config: Arc<CacheConfig>,
+}
+
+impl Cache {
+    pub(crate) fn wrap(seq: Sequence) -> Self {
+        let config = Arc::new(seq.config().clone());
+        Self {
+            seq: Shared::new(seq),
+            config,
+        }
+    }
+
+    fn check_layer(&self, layer: usize) -> PyResult<()> {
+        let layers = self.config.layers;
+        if layer >= layers {
+            return Err(err(CoreError::LayerOutOfRange { layer, layers }));
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> PyResult<usize> {
     match shape {
         [n, h, dd] if *h == heads && *dd == d && *n > 0 => Ok(*n),
-        _ => Err(CacheError::new_err(format!(
+        _ => Err(invalid(format!(
             "{what}: expected shape [tokens, {heads}, {d}] with tokens >= 1, got {shape:?}"
         ))),
     }
@@ -284,41 +278,36 @@ impl Cache {
     fn new(spec: &CacheSpec, pool_sequences: usize) -> PyResult<Self> {
         let config = spec.config.clone();
         let pool = Sequence::pool_for(&config, pool_sequences);
-        Ok(Self {
-            seq: Sequence::new(Arc::new(config), pool).map_err(err)?,
-        })
+        Ok(Self::wrap(
+            Sequence::new(Arc::new(config), pool).map_err(err)?,
+        ))
     }
 
     /// Appends post-RoPE K and V `[tokens, kv_heads, head_dim]` to `layer` (already in the
     /// Hadamard frame when `rotated`).
     #[pyo3(signature = (layer, k, v, rotated=false))]
     fn append(
-        &mut self,
+        &self,
         py: Python<'_>,
         layer: usize,
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
         rotated: bool,
     ) -> PyResult<()> {
-        let cfg = self.seq.config();
-        let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        if layer >= cfg.layers {
-            return Err(err(CoreError::LayerOutOfRange {
-                layer,
-                layers: cfg.layers,
-            }));
-        }
+        self.check_layer(layer)?;
+        let (h, d) = (self.config.kv_heads, self.config.head_dim);
         let (kh, vh) = (read_f32(k, "k")?, read_f32(v, "v")?);
         check_3d(&kh.shape, "k", h, d)?;
         check_3d(&vh.shape, "v", h, d)?;
         if kh.shape != vh.shape {
-            return Err(CacheError::new_err(format!(
+            return Err(invalid(format!(
                 "k and v shapes differ: {:?} vs {:?}",
                 kh.shape, vh.shape
             )));
         }
-        let seq = &mut self.seq;
-        py.detach(|| seq.append_frame(layer, &kh.values, &vh.values, rotated))
+        let (kv, vv) = (&kh.values, &vh.values);
+        self.seq
+            .with(py, |s| s.append_frame(layer, kv, vv, rotated))?
             .map_err(err)
     }
 
@@ -333,22 +322,17 @@ impl Cache {
         out: &Bound<'_, PyAny>,
         scale: Option<f32>,
     ) -> PyResult<()> {
-        let cfg = self.seq.config();
-        if layer >= cfg.layers {
-            return Err(err(CoreError::LayerOutOfRange {
-                layer,
-                layers: cfg.layers,
-            }));
-        }
+        self.check_layer(layer)?;
         let qh = read_f32(q, "q")?;
-        check_3d(&qh.shape, "q", cfg.q_heads, cfg.head_dim)?;
-        let seq = &self.seq;
-        let result = py
-            .detach(|| attend(seq, layer, &qh.values, scale))
+        check_3d(&qh.shape, "q", self.config.q_heads, self.config.head_dim)?;
+        let qv = &qh.values;
+        let result = self
+            .seq
+            .with(py, |s| attend(s, layer, qv, scale))?
             .map_err(err)?;
         with_f32_out(out, "out", |o, shape| {
             if shape != qh.shape.as_slice() {
-                return Err(CacheError::new_err(format!(
+                return Err(invalid(format!(
                     "out has shape {shape:?}, expected {:?}",
                     qh.shape
                 )));
@@ -359,59 +343,56 @@ impl Cache {
     }
 
     /// Keeps the first `n` tokens; returns the position to re-append from.
-    fn truncate(&mut self, n: usize) -> PyResult<usize> {
-        self.seq.truncate(n).map_err(err)
+    fn truncate(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
+        self.seq.with(py, |s| s.truncate(n))?.map_err(err)
     }
 
     /// The idle step: seals every layer back to `min_tail` unsealed tokens, never the last
     /// `max(keep_recent, min_tail)` positions.
     #[pyo3(signature = (keep_recent=0))]
-    fn seal_idle(&mut self, py: Python<'_>, keep_recent: usize) -> PyResult<()> {
-        let seq = &mut self.seq;
-        py.detach(|| seq.seal_idle(keep_recent)).map_err(err)
+    fn seal_idle(&self, py: Python<'_>, keep_recent: usize) -> PyResult<()> {
+        self.seq
+            .with(py, |s| s.seal_idle(keep_recent))?
+            .map_err(err)
     }
 
     /// A child cache sharing this one's sealed records and pool.
-    fn fork(&self) -> Cache {
-        Cache {
-            seq: self.seq.fork(),
-        }
+    fn fork(&self, py: Python<'_>) -> PyResult<Cache> {
+        Ok(Cache::wrap(self.seq.with(py, |s| s.fork())?))
     }
 
     /// Tokens held by `layer`.
-    fn length(&self, layer: usize) -> PyResult<usize> {
-        self.seq.len(layer).map_err(err)
+    fn length(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
+        self.seq.with(py, |s| s.len(layer))?.map_err(err)
     }
 
     /// `((sink_start, sink_end), (body_start, body_end), (ring_start, ring_end))` of `layer`.
-    fn regions(&self, layer: usize) -> PyResult<Vec<(usize, usize)>> {
-        Ok(self
-            .seq
-            .regions(layer)
-            .map_err(err)?
-            .iter()
-            .map(|r| (r.start, r.end))
-            .collect())
+    fn regions(&self, py: Python<'_>, layer: usize) -> PyResult<Vec<(usize, usize)>> {
+        let regions = self.seq.with(py, |s| s.regions(layer))?.map_err(err)?;
+        Ok(regions.iter().map(|r| (r.start, r.end)).collect())
     }
 
     /// Tokens the next append to `layer` can take without a seal inside it.
-    fn chunk_limit(&self, layer: usize) -> PyResult<usize> {
-        self.seq.chunk_limit(layer).map_err(err)
+    fn chunk_limit(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
+        self.seq.with(py, |s| s.chunk_limit(layer))?.map_err(err)
     }
 
     /// Allocated bytes per region and occupied bits per value.
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        memory_dict(py, &self.seq.memory(), &self.seq.pool().stats())
+        let (m, stats) = self.seq.with(py, |s| (s.memory(), s.pool().stats()))?;
+        memory_dict(py, &m, &stats)
     }
 
     /// The snapshot as bytes.
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.seq.snapshot_bytes().map_err(err)?))
+        let bytes = self.seq.with(py, |s| s.snapshot_bytes())?.map_err(err)?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     /// The sequence as an `SJKVSEQ` v1 state stream (the reference codec's layout).
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(PyBytes::new(py, &self.seq.state_bytes().map_err(err)?))
+        let bytes = self.seq.with(py, |s| s.state_bytes())?.map_err(err)?;
+        Ok(PyBytes::new(py, &bytes))
     }
 
     /// Restores an `SJKVSEQ` stream into a new cache of `spec`.
@@ -421,25 +402,24 @@ impl Cache {
         let config = spec.config.clone();
         let pool = Sequence::pool_for(&config, pool_sequences);
         let seq = Sequence::from_state(Arc::new(config), Some(pool), data).map_err(err)?;
-        Ok(Cache { seq })
+        Ok(Cache::wrap(seq))
     }
 
     /// The cache's full configuration (see `CacheSpec.to_dict`).
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        config_dict(py, self.seq.config())
+        config_dict(py, &self.config)
     }
 
     /// Writes a snapshot atomically.
-    fn save(&self, path: PathBuf) -> PyResult<()> {
-        self.seq.save(&path).map_err(err)
+    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        self.seq.with(py, |s| s.save(&path))?.map_err(err)
     }
 
     /// Restores a snapshot (a new pool sized for `pool_sequences` sequences).
     #[staticmethod]
     #[pyo3(signature = (path, pool_sequences=1))]
     fn load(path: PathBuf, pool_sequences: usize) -> PyResult<Cache> {
-        let bytes = std::fs::read(&path)
-            .map_err(|e| PyOSError::new_err(format!("{}: {e}", path.display())))?;
+        let bytes = std::fs::read(&path).map_err(|e| errors::io(&path, e))?;
         Self::from_snapshot(&bytes, pool_sequences)
     }
 
@@ -451,13 +431,13 @@ impl Cache {
         let probe = Sequence::from_snapshot(data, None, None).map_err(err)?;
         let pool = Sequence::pool_for(probe.config(), pool_sequences.max(1));
         let seq = Sequence::from_snapshot(data, Some(pool), Some(probe.config())).map_err(err)?;
-        Ok(Cache { seq })
+        Ok(Cache::wrap(seq))
     }
 
     /// `(layers, q_heads, kv_heads, head_dim)`.
     #[getter]
     fn geometry(&self) -> (usize, usize, usize, usize) {
-        let c = self.seq.config();
+        let c = &self.config;
         (c.layers, c.q_heads, c.kv_heads, c.head_dim)
     }
 }

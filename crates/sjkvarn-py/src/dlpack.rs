@@ -4,7 +4,7 @@
 //! while holding the capsule, and never rename it: the capsule's own destructor then hands the
 //! tensor back to its producer when we drop it, as the protocol allows for an unconsumed capsule.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use crate::errors::{invalid, unsupported_type};
 use pyo3::prelude::*;
 use std::ffi::c_void;
 
@@ -103,7 +103,7 @@ impl<'py> View<'py> {
     /// Opens `obj`'s DLPack capsule; the tensor must live on `device_type`.
     fn open(obj: &Bound<'py, PyAny>, what: &str, device_type: i32) -> PyResult<Self> {
         if !obj.hasattr("__dlpack__")? {
-            return Err(PyTypeError::new_err(format!(
+            return Err(unsupported_type(format!(
                 "{what}: expected a numpy array or torch tensor (an object with __dlpack__), got {}",
                 obj.get_type().name()?
             )));
@@ -118,7 +118,7 @@ impl<'py> View<'py> {
         };
         if managed.is_null() {
             return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
-                PyTypeError::new_err(format!(
+                unsupported_type(format!(
                     "{what}: __dlpack__ did not return a DLPack capsule"
                 ))
             }));
@@ -126,15 +126,15 @@ impl<'py> View<'py> {
         // SAFETY: non-null pointer to the producer's DLManagedTensor, alive with the capsule.
         let t = unsafe { &(*managed).dl_tensor };
         if t.device.device_type != device_type {
-            return Err(PyValueError::new_err(format!(
+            return Err(invalid(format!(
                 "{what}: tensor is on {} (device {}); this call needs a {} tensor",
                 device_name(t.device.device_type),
                 t.device.device_id,
                 device_name(device_type)
             )));
         }
-        let ndim = usize::try_from(t.ndim)
-            .map_err(|_| PyValueError::new_err(format!("{what}: negative ndim")))?;
+        let ndim =
+            usize::try_from(t.ndim).map_err(|_| invalid(format!("{what}: negative ndim")))?;
         // SAFETY: DLPack guarantees `shape` has `ndim` entries and `strides` is null or has `ndim`.
         let shape_raw = if ndim == 0 {
             &[][..]
@@ -144,8 +144,7 @@ impl<'py> View<'py> {
         let shape: Vec<usize> = shape_raw
             .iter()
             .map(|&s| {
-                usize::try_from(s)
-                    .map_err(|_| PyValueError::new_err(format!("{what}: negative dimension {s}")))
+                usize::try_from(s).map_err(|_| invalid(format!("{what}: negative dimension {s}")))
             })
             .collect::<PyResult<_>>()?;
         let strides = if t.strides.is_null() || ndim == 0 {
@@ -231,7 +230,7 @@ pub fn read_f32(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostArray> {
             |p| half::bf16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32()
         }
         _ => {
-            return Err(PyTypeError::new_err(format!(
+            return Err(unsupported_type(format!(
                 "{what}: dtype {} is not supported; use float32, float16, bfloat16 or float64",
                 dtype_name(dt)
             )))
@@ -264,20 +263,16 @@ pub fn with_f32_out<'py, T>(
 ) -> PyResult<T> {
     let view = View::of(obj, what)?;
     if (view.dtype.code, view.dtype.bits, view.dtype.lanes) != (DL_FLOAT, 32, 1) {
-        return Err(PyTypeError::new_err(format!(
+        return Err(unsupported_type(format!(
             "{what}: must be float32, got {}",
             dtype_name(view.dtype)
         )));
     }
     if !view.is_compact() {
-        return Err(PyValueError::new_err(format!(
-            "{what}: must be C-contiguous"
-        )));
+        return Err(invalid(format!("{what}: must be C-contiguous")));
     }
     if view.len() > 0 && (view.data as usize) % std::mem::align_of::<f32>() != 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what}: data is not 4-byte aligned"
-        )));
+        return Err(invalid(format!("{what}: data is not 4-byte aligned")));
     }
     let len = view.len();
     let out: &mut [f32] = if len == 0 {
@@ -316,20 +311,20 @@ impl CudaF32<'_> {
 /// Borrows a CUDA tensor that must be float32 and compact (the Python layer converts first).
 pub fn cuda_f32<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<CudaF32<'py>> {
     if !obj.hasattr("__dlpack__")? {
-        return Err(PyTypeError::new_err(format!(
+        return Err(unsupported_type(format!(
             "{what}: expected a CUDA torch tensor, got {}",
             obj.get_type().name()?
         )));
     }
     let view = View::open(obj, what, DL_CUDA)?;
     if view.dtype.code != DL_FLOAT || view.dtype.bits != 32 || view.dtype.lanes != 1 {
-        return Err(PyTypeError::new_err(format!(
+        return Err(unsupported_type(format!(
             "{what}: expected float32, got {}",
             dtype_name(view.dtype)
         )));
     }
     if !view.is_compact() {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid(format!(
             "{what}: the CUDA tensor must be contiguous"
         )));
     }

@@ -4,10 +4,10 @@
 mod cache;
 mod cuda;
 mod dlpack;
+mod errors;
+mod shared;
 
 use dlpack::{read_f32, with_f32_out};
-use pyo3::create_exception;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use sjkvarn::body::GROUP;
@@ -15,15 +15,10 @@ use sjkvarn::body::{BodyCoding, TrellisAxis};
 use sjkvarn::codec::BodyCodec;
 use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
-create_exception!(
-    _core,
-    CodecError,
-    PyValueError,
-    "Invalid input or setting for the sjkvarn codec."
-);
+use errors::invalid;
 
 fn err(e: sjkvarn::CodecError) -> PyErr {
-    CodecError::new_err(e.to_string())
+    errors::codec(e)
 }
 
 fn format_of(name: &str) -> PyResult<BlockFormat> {
@@ -54,7 +49,7 @@ fn encode<'py>(
     let host = read_f32(array, "array")?;
     let last = host.shape.last().copied().unwrap_or(1);
     if host.shape.is_empty() || last % f.block_values_for(last) != 0 {
-        return Err(CodecError::new_err(format!(
+        return Err(invalid(format!(
             "{}: the last dimension ({last}) must be a multiple of the block size {}",
             f.name(),
             f.block_values_for(last)
@@ -93,7 +88,7 @@ pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
     match name {
         "scalar" => Ok(BodyCoding::Scalar),
         "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
-        _ => Err(CodecError::new_err(format!(
+        _ => Err(invalid(format!(
             "body must be 'scalar' or 'trellis' (the reference's 3/3, 3/2, 2/2), got '{name}'"
         ))),
     }
@@ -118,7 +113,7 @@ fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig
         "final" => BalanceMode::Final,
         "best" => BalanceMode::Best,
         _ => {
-            return Err(CodecError::new_err(format!(
+            return Err(invalid(format!(
                 "mode must be 'final' or 'best', got '{mode}'"
             )))
         }
@@ -127,7 +122,7 @@ fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig
         "std" => BalanceStat::Std,
         "rms" => BalanceStat::Rms,
         _ => {
-            return Err(CodecError::new_err(format!(
+            return Err(invalid(format!(
                 "stat must be 'std' or 'rms', got '{stat}'"
             )))
         }
@@ -162,7 +157,7 @@ fn body_layout(head_dim: usize, k_bits: u32, v_bits: u32) -> PyResult<(usize, us
 fn check_tiles(shape: &[usize], what: &str) -> PyResult<usize> {
     match shape {
         [.., g, d] if *g == GROUP => Ok(*d),
-        _ => Err(CodecError::new_err(format!(
+        _ => Err(invalid(format!(
             "{what}: expected shape [..., {GROUP}, head_dim] (tokens, channels), got {shape:?}"
         ))),
     }
@@ -191,7 +186,7 @@ fn encode_body<'py>(
     let d = check_tiles(&kh.shape, "k")?;
     check_tiles(&vh.shape, "v")?;
     if kh.shape != vh.shape {
-        return Err(CodecError::new_err(format!(
+        return Err(invalid(format!(
             "k and v shapes differ: {:?} vs {:?}",
             kh.shape, vh.shape
         )));
@@ -227,11 +222,11 @@ fn decode_body_into(
         let d = check_tiles(k_shape, "k_out")?;
         with_f32_out(v_out, "v_out", |v, v_shape| {
             if k_shape != v_shape {
-                return Err(CodecError::new_err("k_out and v_out shapes differ"));
+                return Err(invalid("k_out and v_out shapes differ"));
             }
             let (k_range, v_range) = (k.as_ptr_range(), v.as_ptr_range());
             if !k.is_empty() && k_range.start < v_range.end && v_range.start < k_range.end {
-                return Err(CodecError::new_err("k_out and v_out must not share memory"));
+                return Err(invalid("k_out and v_out must not share memory"));
             }
             let codec = body_codec(d, k_bits, v_bits, k_body, v_body, config)?;
             py.detach(|| records::decode_records(&codec, blob, k, v, rotated, threads))
@@ -299,23 +294,9 @@ fn _inject_seal_failure(after: Option<usize>) {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("CodecError", m.py().get_type::<CodecError>())?;
-    m.add("CacheError", m.py().get_type::<cache::CacheError>())?;
-    m.add(
-        "PoolExhaustedError",
-        m.py().get_type::<cache::PoolExhaustedError>(),
-    )?;
-    m.add("SnapshotError", m.py().get_type::<cache::SnapshotError>())?;
+    errors::register(m)?;
     m.add_class::<cache::Cache>()?;
     m.add_class::<cuda::DeviceCache>()?;
-    m.add(
-        "CudaUnavailableError",
-        m.py().get_type::<cuda::CudaUnavailableError>(),
-    )?;
-    m.add(
-        "CudaBackendError",
-        m.py().get_type::<cuda::CudaBackendError>(),
-    )?;
     m.add_function(wrap_pyfunction!(cuda::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::compile_kernels, m)?)?;
     m.add("GROUP", GROUP)?;

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sjkvarn import codec, hf, stats
-from sjkvarn.histories import History
+from sjkvarn import codec, hf
+from sjkvarn.eval import stats
+from sjkvarn.eval.histories import History
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from sjkvarn import codec
-from sjkvarn.report import nmse
+from sjkvarn.eval.report import nmse
 
 GROUP = 128
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sjkvarn import evaluation, stats
-from sjkvarn.histories import History
+from sjkvarn.eval import evaluation, stats
+from sjkvarn.eval.histories import History
 
 COLOURS = ["amber", "cobalt", "crimson", "jade", "ivory", "violet", "saffron", "teal"]
 
