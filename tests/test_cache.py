@@ -242,23 +242,37 @@ def test_too_large_for_this_machine_is_memory_error_not_abort() -> None:
 
 def test_saved_config_survives_load_fork_and_moves(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cfg = Config(
-        layers=2, kv_heads=2, q_heads=4, head_dim=128, k_bits=3, v_bits=2, body="trellis",
-        min_tail=256, max_tail=512, max_chunk=64, flush_chunk=128, max_tokens=9999,
-        passes=8, staging="q8_0", sink=192,
+        layers=2,
+        kv_heads=2,
+        q_heads=4,
+        head_dim=128,
+        k_bits=3,
+        v_bits=2,
+        body="trellis",
+        min_tail=256,
+        max_tail=512,
+        max_chunk=64,
+        flush_chunk=128,
+        max_tokens=9999,
+        passes=8,
+        staging="q8_0",
+        sink=192,
     )
     cache = Cache(cfg)
     gen = torch.Generator().manual_seed(3)
     for layer in range(2):
-        cache.append(layer, torch.randn(40, 2, 128, generator=gen),
-                     torch.randn(40, 2, 128, generator=gen))
+        cache.append(
+            layer, torch.randn(40, 2, 128, generator=gen), torch.randn(40, 2, 128, generator=gen)
+        )
     cache.save(tmp_path / "seq.sjkv")
     loaded = Cache.load(tmp_path / "seq.sjkv")
     assert loaded.config == cfg
     assert loaded.fork().config == cfg
     assert loaded.to("cpu").config == cfg
     assert loaded.to("cpu").fork().snapshot() == cache.snapshot()
-    tiered = Config(layers=2, kv_heads=2, head_dim=64, layer_bits=[(4, 4, "scalar"),
-                                                                 (3, 2, "trellis")])
+    tiered = Config(
+        layers=2, kv_heads=2, head_dim=64, layer_bits=[(4, 4, "scalar"), (3, 2, "trellis")]
+    )
     tiered_cache = Cache(tiered)
     tiered_cache.save(tmp_path / "tiered.sjkv")
     assert Cache.load(tmp_path / "tiered.sjkv").config == tiered_cache.config

@@ -30,10 +30,10 @@ def test_exact_cache_generates_the_same_tokens_as_dynamic_cache(model_and_tokeni
     net, tok = model_and_tokenizer
     ids = tok("def merge_sorted(a, b):\n    ", return_tensors="pt").input_ids
     net.set_attn_implementation("sdpa")
-    ref = net.generate(ids, past_key_values=DynamicCache(), max_new_tokens=24, do_sample=False)
+    ref = net.generate(ids, cache=DynamicCache(), max_new_tokens=24, do_sample=False)
     cfg = hf.config_for(net, staging="f16", max_tokens=512)  # never seals: exact regions only
     cache = hf.SJKVCache(net, cfg)
-    out = net.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False)
+    out = net.generate(ids, cache=cache, max_new_tokens=24, do_sample=False)
     assert torch.equal(ref, out)
     assert cache.sjkv.length(0) == out.shape[1] - 1
 
@@ -64,7 +64,7 @@ def test_chunked_replay_equals_token_by_token(model_and_tokenizer) -> None:  # t
     net.set_attn_implementation("sdpa")
     dense = DynamicCache()
     with torch.no_grad():
-        net(ids, past_key_values=dense, use_cache=True)
+        net(ids, cache=dense, use_cache=True)
     caches = {}
     for chunk in (64, 16):
         cache = sjkvarn.Cache(hf.config_for(net, max_tokens=512, max_chunk=chunk, **journal))
@@ -91,7 +91,7 @@ def test_rewind_reprocesses_dropped_groups(model_and_tokenizer) -> None:  # type
     cfg = hf.config_for(net, min_tail=128, max_tail=256, max_tokens=1024)
     cache = hf.SJKVCache(net, cfg)
     with torch.no_grad():
-        net(ids, past_key_values=cache, use_cache=True)
+        net(ids, cache=cache, use_cache=True)
     body_end = cache.sjkv.regions(5)["body"][1]
     assert body_end == 384  # one seal at the 512-token ubatch start, down to floor(512 - 128)
     # A cut in the body resumes at the group floor: 300 -> 256, 44 tokens re-run.
@@ -101,10 +101,10 @@ def test_rewind_reprocesses_dropped_groups(model_and_tokenizer) -> None:  # type
     # The continuation after the edit point, then a fresh build of the same 700 tokens: seal
     # points depend on the ubatch schedule, but after an idle flush both hold the same regions.
     with torch.no_grad():
-        net(ids[:, 300:], past_key_values=cache, use_cache=True)
+        net(ids[:, 300:], cache=cache, use_cache=True)
     fresh = hf.SJKVCache(net, cfg)
     with torch.no_grad():
-        net(ids, past_key_values=fresh, use_cache=True)
+        net(ids, cache=fresh, use_cache=True)
     cache.sjkv.seal_idle()
     fresh.sjkv.seal_idle()
     assert cache.sjkv.regions(5) == fresh.sjkv.regions(5)

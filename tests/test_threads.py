@@ -17,8 +17,18 @@ THREADS = 4
 def config() -> Config:
     # Small tails so records seal (the shared pool is really used), 3/2 trellis body.
     return Config(
-        layers=4, kv_heads=2, q_heads=4, head_dim=128, k_bits=3, v_bits=2, body="trellis",
-        min_tail=128, max_tail=256, max_chunk=128, max_tokens=2048, pool_sequences=THREADS + 1,
+        layers=4,
+        kv_heads=2,
+        q_heads=4,
+        head_dim=128,
+        k_bits=3,
+        v_bits=2,
+        body="trellis",
+        min_tail=128,
+        max_tail=256,
+        max_chunk=128,
+        max_tokens=2048,
+        pool_sequences=THREADS + 1,
     )
 
 

@@ -272,9 +272,7 @@ class Cache:
         """A compact float32 view of a torch CUDA tensor on this cache's device."""
         if not _is_torch(x):
             kind = type(x).__name__
-            raise UnsupportedTypeError(
-                f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}"
-            )
+            raise UnsupportedTypeError(f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}")
         if x.device.type != "cuda" or x.device.index != self._ordinal:
             raise InvalidInputError(
                 f"{what} is on {x.device}, this cache is on cuda:{self._ordinal}"

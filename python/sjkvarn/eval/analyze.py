@@ -22,10 +22,12 @@ GROUP = 128
 def capture(model: Any, tokenizer: Any, text: str, tokens: int) -> list[tuple[np.ndarray, ...]]:
     """Per layer ``(K, V)``, each ``[tokens, kv_heads, head_dim]`` float32, post-RoPE."""
     import torch
+    from transformers import DynamicCache
 
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = DynamicCache()
+        model(ids, cache=cache, use_cache=True)
     out = []
     for layer in cache.layers:
         k = layer.keys[0].transpose(0, 1).float().numpy().copy()

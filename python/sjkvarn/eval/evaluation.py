@@ -183,9 +183,7 @@ def run_sequence(
             step = min(max_chunk, total - pos)
             if sj is not None:
                 step = min(step, sj.sjkv.chunk_limit(0))
-            logits = model(ids[:, pos : pos + step], past_key_values=cache, use_cache=True).logits[
-                0
-            ]
+            logits = model(ids[:, pos : pos + step], cache=cache, use_cache=True).logits[0]
             first = max(pos, score_from - 1)
             last = min(pos + step, total - 1)
             if first < last:
@@ -249,7 +247,7 @@ def prepare_ids(model: Any, tokenizer: Any, history: History, s: EvalSettings) -
     extra = dict(temperature=1.0, top_k=0, top_p=1.0) if sample else {}
     return model.generate(
         ids,
-        past_key_values=DynamicCache(),
+        cache=DynamicCache(),
         max_new_tokens=s.scored_tokens,
         min_new_tokens=s.scored_tokens,
         do_sample=sample,
