@@ -1,77 +1,151 @@
-"""CPU decode attention over the compressed cache vs torch SDPA over a float32 cache.
+"""CPU decode attention over the compressed cache vs torch SDPA over dense K/V, side by side.
 
-One layer with SmolLM2-135M's geometry (9 query heads over 3 KV heads of 64) by default; the
-cache is filled with random K/V, then one decode query is timed on each side, side by side in
-the same process (median of repeats). Reports times and the ratio.
+For each geometry, context length and body, one layer is filled with random K/V, then one
+decode query is timed, alternating in one process between: sjkvarn `Cache.attend`; torch SDPA
+over the same K/V in float32 and in bfloat16 with the query heads of a KV head folded into the
+query axis (GQA: each K/V row is read once, as sjkvarn reads it); and a plain read of as many
+bytes as sjkvarn's call touches (sink + the records it scores + the ring rows: the bandwidth
+limit). Each thread count runs in its own process (`RAYON_NUM_THREADS`, `torch.set_num_threads`).
+Reports medians and ratios from that one alternating run.
 
-Usage: python benches/attention_cpu.py [--tokens 4096 16384 65536] [--bits 4] [--body scalar]
+Usage: python benches/attention_cpu.py [--tokens 4096 16384 65536] [--threads 1 2]
+           [--geometry 24/4/256 9/3/64] [--bodies 4/4 3/2t] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
-import torch
-
-import sjkvarn
+ROW_BYTES_TQ6_PER_128 = 98  # one tq6_0 block of 128 values
 
 
-def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
+    import torch
+
+    import sjkvarn
+
+    torch.set_num_threads(args.threads[0])
+    rows = []
+    for geometry in args.geometry:
+        qh, kvh, d = (int(x) for x in geometry.split("/"))
+        gs = qh // kvh
+        for body_name in args.bodies:
+            trellis = body_name.endswith("t")
+            kb, vb = (int(x) for x in body_name.rstrip("t").split("/"))
+            for n in args.tokens:
+                gen = torch.Generator().manual_seed(n)
+                cfg = sjkvarn.Config(
+                    layers=1,
+                    kv_heads=kvh,
+                    q_heads=qh,
+                    head_dim=d,
+                    k_bits=kb,
+                    v_bits=vb,
+                    body="trellis" if trellis else "scalar",
+                    max_tokens=n + 1,
+                )
+                cache = sjkvarn.Cache(cfg)
+                k = torch.randn(n, kvh, d, generator=gen)
+                v = torch.randn(n, kvh, d, generator=gen)
+                cache.append(0, k, v)
+                q = torch.randn(1, qh, d, generator=gen)
+                # GQA folded: [1, kv_heads, group size, d] queries over [1, kv_heads, n, d].
+                qf = q[0].reshape(kvh, gs, d)[None]
+                kf, vf = k.permute(1, 0, 2)[None].contiguous(), v.permute(1, 0, 2)[None].contiguous()
+                qb, kbf, vbf = qf.bfloat16(), kf.bfloat16(), vf.bfloat16()
+                m = cache.memory()
+                row_bytes = ROW_BYTES_TQ6_PER_128 * d // 128
+                read = (
+                    m["sink_tokens"] * kvh * d * 4
+                    + m["body_bytes"]
+                    + m["ring_tokens"] * kvh * 2 * row_bytes
+                )
+                raw = torch.randint(0, 1 << 30, (max(read // 4, 1),), dtype=torch.int32)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                calls = {
+                    "sjkvarn": lambda: cache.attend(0, q),  # noqa: B023
+                    "sdpa_fp32": lambda: sdpa(qf, kf, vf),  # noqa: B023
+                    "sdpa_bf16": lambda: sdpa(qb, kbf, vbf),  # noqa: B023
+                    "read_bytes": lambda: raw.sum(),  # noqa: B023
+                }
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                for fn in calls.values():
+                    fn()
+                for _ in range(args.repeats):
+                    for name, fn in calls.items():
+                        start = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - start)
+                med = {name: statistics.median(t) for name, t in times.items()}
+                rows.append(
+                    dict(
+                        geometry=geometry,
+                        body=body_name,
+                        tokens=n,
+                        threads=args.threads[0],
+                        bytes_read=read,
+                        bits_per_value=m["effective_bits"],
+                        **{f"{name}_ms": 1e3 * t for name, t in med.items()},
+                    )
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--body", default="scalar")
-    p.add_argument("--q-heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--geometry", nargs="+", default=["24/4/256", "9/3/64"])
+    p.add_argument("--bodies", nargs="+", default=["4/4", "3/2t"])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    qh, kvh, d = args.q_heads, args.kv_heads, args.head_dim
+    if args.worker:
+        print(json.dumps(_one_process(args)))
+        return 0
+    rows: list[dict[str, object]] = []
+    for threads in args.threads:
+        argv = [sys.argv[0], "--worker", "--threads", str(threads), "--repeats", str(args.repeats)]
+        argv += ["--tokens", *map(str, args.tokens), "--geometry", *args.geometry]
+        argv += ["--bodies", *args.bodies]
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        done = subprocess.run(
+            [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True
+        )
+        rows += json.loads(done.stdout)
     print(
-        f"decode attention, {qh} q heads / {kvh} KV heads x {d}, {args.bits}/{args.bits} "
-        f"{args.body}, torch threads {torch.get_num_threads()}"
+        f"{'geometry':>9} {'body':>5} {'tokens':>7} {'thr':>3} {'sjkvarn ms':>10} "
+        f"{'fp32 ms':>8} {'bf16 ms':>8} {'read ms':>8} {'/fp32':>6} {'/bf16':>6} "
+        f"{'GB/s':>6} {'% of read':>9} {'bits':>5}"
     )
-    print(f"{'tokens':>8} {'sjkvarn ms':>11} {'sdpa fp32 ms':>13} {'ratio':>7} {'bits/value':>11}")
-    for n in args.tokens:
-        cfg = sjkvarn.Config(
-            layers=1,
-            kv_heads=kvh,
-            q_heads=qh,
-            head_dim=d,
-            k_bits=args.bits,
-            v_bits=args.bits,
-            body=args.body,
-            max_tokens=n + 1,
+    for r in rows:
+        ours = float(r["sjkvarn_ms"])  # type: ignore[arg-type]
+        gbs = float(r["bytes_read"]) / (ours * 1e-3) / 1e9  # type: ignore[arg-type]
+        limit = float(r["read_bytes_ms"])  # type: ignore[arg-type]
+        print(
+            f"{r['geometry']:>9} {r['body']:>5} {r['tokens']:>7} {r['threads']:>3} {ours:>10.2f} "
+            f"{r['sdpa_fp32_ms']:>8.2f} {r['sdpa_bf16_ms']:>8.2f} {limit:>8.2f} "
+            f"{ours / float(r['sdpa_fp32_ms']):>6.2f} {ours / float(r['sdpa_bf16_ms']):>6.2f} "  # type: ignore[arg-type]
+            f"{gbs:>6.2f} {100 * limit / ours:>8.1f}% {float(r['bits_per_value']):>5.2f}"  # type: ignore[arg-type]
         )
-        cache = sjkvarn.Cache(cfg)
-        k = torch.randn(n, kvh, d, generator=gen)
-        v = torch.randn(n, kvh, d, generator=gen)
-        cache.append(0, k, v)
-        q = torch.randn(1, qh, d, generator=gen)
-        kk = k.permute(1, 0, 2).repeat_interleave(qh // kvh, 0)[None]
-        vv = v.permute(1, 0, 2).repeat_interleave(qh // kvh, 0)[None]
-        qq = q.permute(1, 0, 2)[None]
-        ours = median_time(lambda: cache.attend(0, q), args.repeats)  # noqa: B023
-        theirs = median_time(
-            lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv),  # noqa: B023
-            args.repeats,
-        )
-        bits = cache.memory()["effective_bits"]
-        row = f"{n:>8} {ours * 1e3:>11.2f} {theirs * 1e3:>13.2f} {ours / theirs:>7.2f}"
-        print(f"{row} {bits:>11.2f}")
+    by_key = {(r["geometry"], r["body"], r["tokens"]): {} for r in rows}
+    for r in rows:
+        by_key[(r["geometry"], r["body"], r["tokens"])][r["threads"]] = float(r["sjkvarn_ms"])  # type: ignore[index,arg-type]
+    if 1 in args.threads and 2 in args.threads:
+        print("\nsjkvarn 2-thread speed-up (1-thread time / 2-thread time):")
+        for (g, b, n), t in by_key.items():
+            print(f"  {g} {b} {n}: {t[1] / t[2]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 

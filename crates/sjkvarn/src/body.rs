@@ -69,6 +69,22 @@ pub struct DecodedHalf {
     pub s_v: Vec<f32>,
 }
 
+impl DecodedHalf {
+    /// No values yet: buffers a reader fills and reuses.
+    pub fn empty() -> Self {
+        Self {
+            k_units: Vec::new(),
+            a_k: Vec::new(),
+            z_k: Vec::new(),
+            s_k: Vec::new(),
+            v_units: Vec::new(),
+            a_v: Vec::new(),
+            z_v: Vec::new(),
+            s_v: Vec::new(),
+        }
+    }
+}
+
 fn check_bits(bits: u32) -> Result<()> {
     if BODY_BITS.contains(&bits) {
         Ok(())

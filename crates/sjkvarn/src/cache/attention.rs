@@ -11,10 +11,11 @@
 //! not depend on how many other rows share the call. Chunked prefill therefore equals
 //! token-by-token decoding bit for bit when chunks do not straddle a seal.
 
-use super::sequence::Sequence;
+use super::sequence::{LayerJournal, Sequence};
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
+use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
 use rayon::prelude::*;
 
@@ -28,6 +29,12 @@ struct Softmax {
 }
 
 impl Softmax {
+    fn clear(&mut self) {
+        self.max = f32::NEG_INFINITY;
+        self.sum = 0.0;
+        self.acc.fill(0.0);
+    }
+
     fn new(d: usize) -> Self {
         Self {
             max: f32::NEG_INFINITY,
@@ -38,6 +45,7 @@ impl Softmax {
 
     /// Folds a block of logits in: returns the weight of each logit (0 for masked ones) after
     /// rescaling the running sums, or `None` when the whole block is masked.
+    #[inline(always)]
     fn fold(&mut self, logits: &[f32], visible: usize, weights: &mut [f32]) -> bool {
         if visible == 0 {
             return false;
@@ -60,10 +68,239 @@ impl Softmax {
     }
 }
 
-/// The rotated query rows of one KV head's group.
+/// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
+/// derived from the thread count or the call), so results do not depend on scheduling.
+const CHUNK: usize = 16 * GROUP;
+
+/// Largest total of partial softmax states (bytes) for which every (head, chunk) item runs in
+/// parallel; above it (long prefill chunks) each head runs its chunks in order.
+const PARALLEL_STATE_BYTES: usize = 32 << 20;
+
+/// What every work item of one call reads.
+struct Job<'a> {
+    seq: &'a Sequence,
+    lj: &'a LayerJournal,
+    codec: &'a BodyCodec,
+    d: usize,
+    r: usize,
+    kvh: usize,
+    sink: usize,
+    /// Query (row, head) pairs per KV head: rows x group size.
+    pairs: usize,
+}
+
+/// The instruction sets the hot loops are compiled for, chosen once at run time: one binary
+/// (baseline x86-64 wheels) that still uses the vector units of the machine it runs on. Every
+/// level computes the same operations in the same order (Rust never fuses `a * b + c`), so the
+/// results are bit-identical across levels; `SJKVARN_SIMD=portable|avx2|avx512` forces a
+/// lower level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// The level this process uses (detected once).
+pub fn simd_level() -> SimdLevel {
+    static LEVEL: std::sync::OnceLock<SimdLevel> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let detected = detected_level();
+        match std::env::var("SJKVARN_SIMD").as_deref() {
+            Ok("portable") => SimdLevel::Portable,
+            Ok("avx2") => detected.min(SimdLevel::Avx2),
+            _ => detected,
+        }
+    })
+}
+
+fn detected_level() -> SimdLevel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            return SimdLevel::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return SimdLevel::Avx2;
+        }
+    }
+    SimdLevel::Portable
+}
+
+/// Folds split-K chunk `chunk` (positions `[chunk * CHUNK, (chunk + 1) * CHUNK)`) of KV head
+/// `ctx.kv_head` into `states`, compiled for `level`.
+fn fold_chunk_at(
+    level: SimdLevel,
+    job: &Job,
+    ctx: &Queries,
+    chunk: usize,
+    states: &mut [Softmax],
+    sc: &mut Scratch,
+    reader: &mut HalfReader,
+) -> CacheResult<()> {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx512` is only ever chosen by `detected_level` (or a test that checked it)
+        // after the CPU reported every feature this function is compiled with.
+        SimdLevel::Avx512 => unsafe { fold_chunk_avx512(job, ctx, chunk, states, sc, reader) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        SimdLevel::Avx2 => unsafe { fold_chunk_avx2(job, ctx, chunk, states, sc, reader) },
+        _ => fold_chunk_body(job, ctx, chunk, states, sc, reader),
+    }
+}
+
+fn fold_chunk(
+    job: &Job,
+    ctx: &Queries,
+    chunk: usize,
+    states: &mut [Softmax],
+    sc: &mut Scratch,
+    reader: &mut HalfReader,
+) -> CacheResult<()> {
+    fold_chunk_at(simd_level(), job, ctx, chunk, states, sc, reader)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+unsafe fn fold_chunk_avx512(
+    job: &Job,
+    ctx: &Queries,
+    chunk: usize,
+    states: &mut [Softmax],
+    sc: &mut Scratch,
+    reader: &mut HalfReader,
+) -> CacheResult<()> {
+    fold_chunk_body(job, ctx, chunk, states, sc, reader)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fold_chunk_avx2(
+    job: &Job,
+    ctx: &Queries,
+    chunk: usize,
+    states: &mut [Softmax],
+    sc: &mut Scratch,
+    reader: &mut HalfReader,
+) -> CacheResult<()> {
+    fold_chunk_body(job, ctx, chunk, states, sc, reader)
+}
+
+/// The blocks of one chunk, in position order: sink blocks, body records, ring blocks (each
+/// block belongs to the chunk holding its first position). Inlined into each SIMD level.
+#[inline(always)]
+fn fold_chunk_body(
+    job: &Job,
+    ctx: &Queries,
+    chunk: usize,
+    states: &mut [Softmax],
+    sc: &mut Scratch,
+    reader: &mut HalfReader,
+) -> CacheResult<()> {
+    let (lj, d, kvh, h) = (job.lj, job.d, job.kvh, ctx.kv_head);
+    let span = chunk * CHUNK..(chunk + 1) * CHUNK;
+    let blocks = (0..job.pairs)
+        .step_by(PAIRS)
+        .map(|p| p..(p + PAIRS).min(job.pairs));
+
+    // Sink (rotated fp16), in blocks of at most 128 positions.
+    let sink_rows = lj.len.min(job.sink);
+    let mut first = 0;
+    while first < sink_rows {
+        let rows = (sink_rows - first).min(GROUP);
+        if span.contains(&first) {
+            for t in 0..rows {
+                let at = ((first + t) * kvh + h) * d;
+                let (kr, vr) = (&lj.sink_k[at..at + d], &lj.sink_v[at..at + d]);
+                for (o, x) in sc.kblk[t * d..(t + 1) * d].iter_mut().zip(kr) {
+                    *o = x.to_f32();
+                }
+                for (o, x) in sc.vblk[t * d..(t + 1) * d].iter_mut().zip(vr) {
+                    *o = x.to_f32();
+                }
+            }
+            for pairs in blocks.clone() {
+                fold_dense(ctx, states, pairs, first, rows, sc);
+            }
+        }
+        first += rows;
+    }
+
+    // Body records (rotated frame, absorbed scales), each read once.
+    let rb = job.codec.record_bytes();
+    for (g, &slot) in lj.blocks.iter().enumerate() {
+        let first = job.sink + g * GROUP;
+        if !span.contains(&first) {
+            continue;
+        }
+        let bytes = job.seq.pool().get(slot);
+        reader.read(&bytes[h * rb..(h + 1) * rb], &mut sc.halves)?;
+        for pairs in blocks.clone() {
+            fold_record(ctx, states, pairs, first, job.r, sc);
+        }
+    }
+
+    // Ring, in blocks aligned to 128 positions.
+    let mut first = lj.ring_start(job.sink);
+    while first < lj.len {
+        let rows = (lj.len - first).min(GROUP);
+        if span.contains(&first) {
+            for t in 0..rows {
+                let (k, v) = (
+                    &mut sc.kblk[t * d..(t + 1) * d],
+                    &mut sc.vblk[t * d..(t + 1) * d],
+                );
+                job.seq.ring_row(lj, first + t, h, false, k);
+                job.seq.ring_row(lj, first + t, h, true, v);
+            }
+            for pairs in blocks.clone() {
+                fold_dense(ctx, states, pairs, first, rows, sc);
+            }
+        }
+        first += rows;
+    }
+    Ok(())
+}
+
+/// `merged = merged (+) part` for every pair: the log-sum-exp merge of two partial softmax
+/// states (an empty part changes nothing; an empty `merged` takes the part as it is).
+fn merge_states(merged: &mut [Softmax], part: &[Softmax]) {
+    for (m, p) in merged.iter_mut().zip(part) {
+        if p.max == f32::NEG_INFINITY {
+            continue;
+        }
+        if m.max == f32::NEG_INFINITY {
+            m.max = p.max;
+            m.sum = p.sum;
+            m.acc.copy_from_slice(&p.acc);
+            continue;
+        }
+        let max = m.max.max(p.max);
+        let (em, ep) = ((m.max - max).exp(), (p.max - max).exp());
+        m.sum = m.sum * em + p.sum * ep;
+        for (a, &b) in m.acc.iter_mut().zip(&p.acc) {
+            *a = *a * em + b * ep;
+        }
+        m.max = max;
+    }
+}
+
+/// Query (row, head) pairs scored together against one block: each K/V element loaded is
+/// used by all of them, and their scratch (a few KiB) stays in L1.
+const PAIRS: usize = 8;
+
+/// The rotated query rows of one KV head's group. Pair `p` is query row `p / gs`, head
+/// `p % gs` of the group.
 struct Queries<'a> {
     rotated: &'a [f32],
-    n: usize,
     gs: usize,
     qh: usize,
     d: usize,
@@ -74,91 +311,229 @@ struct Queries<'a> {
 }
 
 impl Queries<'_> {
-    fn query(&self, i: usize, j: usize) -> &[f32] {
+    fn query(&self, p: usize) -> &[f32] {
+        let (i, j) = (p / self.gs, p % self.gs);
         let head = self.kv_head * self.gs + j;
         &self.rotated[(i * self.qh + head) * self.d..(i * self.qh + head + 1) * self.d]
     }
 
-    /// Positions visible to query row `i` in a block of `rows` starting at `first`.
-    fn visible(&self, i: usize, first: usize, rows: usize) -> usize {
-        (self.base + i + 1).saturating_sub(first).min(rows)
+    /// Positions of a block of `rows` starting at `first` visible to pair `p`'s query row.
+    fn visible(&self, p: usize, first: usize, rows: usize) -> usize {
+        (self.base + p / self.gs + 1)
+            .saturating_sub(first)
+            .min(rows)
     }
+}
 
-    /// Folds a block of dense rotated K/V rows (`[rows][d]`) into every state.
-    #[allow(clippy::too_many_arguments)]
-    fn dense(
-        &self,
-        states: &mut [Softmax],
-        first: usize,
-        rows: usize,
-        kb: &[f32],
-        vb: &[f32],
-        logits: &mut [f32],
-        weights: &mut [f32],
-    ) {
-        let d = self.d;
-        for i in 0..self.n {
-            let visible = self.visible(i, first, rows);
-            for j in 0..self.gs {
-                let qv = self.query(i, j);
-                for t in 0..visible {
-                    logits[t] = dot(qv, &kb[t * d..(t + 1) * d]) * self.scale;
-                }
-                let st = &mut states[i * self.gs + j];
-                if st.fold(logits, visible, weights) {
-                    let acc = &mut st.acc;
-                    for t in 0..visible {
-                        let w = weights[t];
-                        for (a, &vv) in acc.iter_mut().zip(&vb[t * d..(t + 1) * d]) {
-                            *a += w * vv;
-                        }
-                    }
+/// Per-task buffers, reused block after block.
+struct Scratch {
+    /// `[PAIRS][GROUP]` logits, softmax weights and key partial sums.
+    logits: Vec<f32>,
+    weights: Vec<f32>,
+    part_k: Vec<f32>,
+    /// `[PAIRS][half width]` value partial sums and `q * a_K` products.
+    part_v: Vec<f32>,
+    qa: Vec<f32>,
+    /// `[GROUP][d]` dense rows of a sink or ring block.
+    kblk: Vec<f32>,
+    vblk: Vec<f32>,
+    halves: Vec<DecodedHalf>,
+}
+
+impl Scratch {
+    fn new(d: usize, r: usize) -> Self {
+        Self {
+            logits: vec![0.0; PAIRS * GROUP],
+            weights: vec![0.0; PAIRS * GROUP],
+            part_k: vec![0.0; PAIRS * GROUP],
+            part_v: vec![0.0; PAIRS * r],
+            qa: vec![0.0; PAIRS * r],
+            kblk: vec![0.0; GROUP * d],
+            vblk: vec![0.0; GROUP * d],
+            halves: Vec::new(),
+        }
+    }
+}
+
+#[inline(always)]
+/// Folds a block of dense rotated rows (`kb`, `vb`: `[rows][d]`) into the states of `pairs`.
+fn fold_dense(
+    ctx: &Queries,
+    states: &mut [Softmax],
+    pairs: std::ops::Range<usize>,
+    first: usize,
+    rows: usize,
+    sc: &mut Scratch,
+) {
+    let d = ctx.d;
+    let visible: Vec<usize> = pairs.clone().map(|p| ctx.visible(p, first, rows)).collect();
+    let most = visible.iter().copied().max().unwrap_or(0);
+    for t in 0..most {
+        let k = &sc.kblk[t * d..(t + 1) * d];
+        for (slot, p) in pairs.clone().enumerate() {
+            if t < visible[slot] {
+                sc.logits[slot * GROUP + t] = dot(ctx.query(p), k) * ctx.scale;
+            }
+        }
+    }
+    let mut live = [false; PAIRS];
+    for (slot, p) in pairs.clone().enumerate() {
+        let (lg, w) = (
+            &sc.logits[slot * GROUP..(slot + 1) * GROUP],
+            &mut sc.weights[slot * GROUP..(slot + 1) * GROUP],
+        );
+        live[slot] = states[p].fold(lg, visible[slot], w);
+    }
+    for t in 0..most {
+        let v = &sc.vblk[t * d..(t + 1) * d];
+        for (slot, p) in pairs.clone().enumerate() {
+            if live[slot] && t < visible[slot] {
+                let w = sc.weights[slot * GROUP + t];
+                for (a, &vv) in states[p].acc.iter_mut().zip(v) {
+                    *a += w * vv;
                 }
             }
         }
     }
 }
 
-/// `logits[t] += s_K[t] * (sum_c (q'_c a_K[c]) u[c,t] + sum_c q'_c z_K[c])` for one record half:
-/// the per-channel products `q' * a_K` and the offset term are formed once per block.
-fn add_key_scores(hd: &DecodedHalf, q: &[f32], logits: &mut [f32]) {
-    let visible = logits.len();
-    let mut part = vec![0.0f32; visible];
-    let mut offset = 0.0f32;
-    for (c, ((&qc, &a), &z)) in q.iter().zip(&hd.a_k).zip(&hd.z_k).enumerate() {
-        let qa = qc * a;
-        offset += qc * z;
-        for (p, &u) in part
-            .iter_mut()
-            .zip(&hd.k_units[c * GROUP..c * GROUP + visible])
-        {
-            *p += qa * u;
+/// Folds one body record (its absorbed-scale halves in `sc.halves`) into the states of `pairs`:
+/// `logit[t] = s_K[t] (sum_c (q'_c a_K[c]) u[c,t] + sum_c q'_c z_K[c])` and
+/// `acc[c] += s_V[c] (sum_t w_t a_V[t] u[t,c] + sum_t w_t z_V[t])`, each sum in ascending order.
+// Slots index several per-pair arrays in step; index loops say that more plainly than zips.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+fn fold_record(
+    ctx: &Queries,
+    states: &mut [Softmax],
+    pairs: std::ops::Range<usize>,
+    first: usize,
+    r: usize,
+    sc: &mut Scratch,
+) {
+    let visible: Vec<usize> = pairs
+        .clone()
+        .map(|p| ctx.visible(p, first, GROUP))
+        .collect();
+    if visible.iter().all(|&v| v == 0) {
+        return;
+    }
+    let np = visible.len();
+    sc.logits[..np * GROUP].fill(0.0);
+    for (half, hd) in sc.halves.iter().enumerate() {
+        let mut offset = [0.0f32; PAIRS];
+        for (slot, p) in pairs.clone().enumerate() {
+            let q = &ctx.query(p)[half * r..(half + 1) * r];
+            let qa = &mut sc.qa[slot * r..(slot + 1) * r];
+            for ((o, &qc), (&a, &z)) in qa.iter_mut().zip(q).zip(hd.a_k.iter().zip(&hd.z_k)) {
+                *o = qc * a;
+                offset[slot] += qc * z;
+            }
+        }
+        sc.part_k[..np * GROUP].fill(0.0);
+        for c in 0..r {
+            let u = &hd.k_units[c * GROUP..(c + 1) * GROUP];
+            for slot in 0..np {
+                if visible[slot] == 0 {
+                    continue;
+                }
+                let x = sc.qa[slot * r + c];
+                for (part, &uu) in sc.part_k[slot * GROUP..(slot + 1) * GROUP]
+                    .iter_mut()
+                    .zip(u)
+                {
+                    *part += x * uu;
+                }
+            }
+        }
+        for slot in 0..np {
+            let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
+            let part = &sc.part_k[slot * GROUP..(slot + 1) * GROUP];
+            for ((l, &s), &pk) in lg.iter_mut().zip(&hd.s_k).zip(part) {
+                *l += s * (pk + offset[slot]);
+            }
         }
     }
-    for ((l, &s), &p) in logits.iter_mut().zip(&hd.s_k).zip(&part) {
-        *l += s * (p + offset);
+    let mut live = [false; PAIRS];
+    for (slot, p) in pairs.clone().enumerate() {
+        let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
+        for l in lg[..visible[slot]].iter_mut() {
+            *l *= ctx.scale;
+        }
+        let w = &mut sc.weights[slot * GROUP..(slot + 1) * GROUP];
+        live[slot] = states[p].fold(lg, visible[slot], w);
+    }
+    for (half, hd) in sc.halves.iter().enumerate() {
+        let mut offset = [0.0f32; PAIRS];
+        for slot in 0..np {
+            if !live[slot] {
+                continue;
+            }
+            // w_t a_V[t], in part_k (free once the logits are formed).
+            let w = &sc.weights[slot * GROUP..slot * GROUP + visible[slot]];
+            let wa = &mut sc.part_k[slot * GROUP..(slot + 1) * GROUP];
+            for (t, (&wt, (&a, &z))) in w.iter().zip(hd.a_v.iter().zip(&hd.z_v)).enumerate() {
+                wa[t] = wt * a;
+                offset[slot] += wt * z;
+            }
+        }
+        sc.part_v[..np * r].fill(0.0);
+        let most = (0..np)
+            .filter(|&s| live[s])
+            .map(|s| visible[s])
+            .max()
+            .unwrap_or(0);
+        for t in 0..most {
+            let u = &hd.v_units[t * r..(t + 1) * r];
+            for slot in 0..np {
+                if !live[slot] || t >= visible[slot] {
+                    continue;
+                }
+                let x = sc.part_k[slot * GROUP + t];
+                for (part, &uu) in sc.part_v[slot * r..(slot + 1) * r].iter_mut().zip(u) {
+                    *part += x * uu;
+                }
+            }
+        }
+        for (slot, p) in pairs.clone().enumerate() {
+            if !live[slot] {
+                continue;
+            }
+            let acc = &mut states[p].acc[half * r..(half + 1) * r];
+            let part = &sc.part_v[slot * r..(slot + 1) * r];
+            for ((x, &s), &pv) in acc.iter_mut().zip(&hd.s_v).zip(part) {
+                *x += s * (pv + offset[slot]);
+            }
+        }
     }
 }
 
-/// `acc[c] += s_V[c] * (sum_t w_t a_V[t] u[t,c] + sum_t w_t z_V[t])` for one record half.
-fn add_values(hd: &DecodedHalf, weights: &[f32], acc: &mut [f32]) {
-    let r = acc.len();
-    let mut part = vec![0.0f32; r];
-    let mut offset = 0.0f32;
-    for (t, ((&w, &a), &z)) in weights.iter().zip(&hd.a_v).zip(&hd.z_v).enumerate() {
-        let wa = w * a;
-        offset += w * z;
-        for (p, &u) in part.iter_mut().zip(&hd.v_units[t * r..(t + 1) * r]) {
-            *p += wa * u;
-        }
-    }
-    for ((x, &s), &p) in acc.iter_mut().zip(&hd.s_v).zip(&part) {
-        *x += s * (p + offset);
-    }
-}
-
+/// Dot product in a fixed order whatever the caller: 16 lane sums (one vector register), a
+/// fixed pairwise reduction, then the remainder. The same order for every query row keeps
+/// chunked prefill equal to token-by-token decoding bit for bit.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut lanes = [0.0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..16 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let mut width = 8;
+    while width > 0 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    lanes[0] + tail
 }
 
 /// Attention of `n` query rows `q` (`[n][q_heads][head_dim]`, model frame, post-RoPE) over
@@ -201,127 +576,86 @@ pub fn attend(
     let codec = cfg.body_codec(layer);
     let r = codec.half_width();
 
-    // One task per KV head; each returns [n][gs][d].
-    let per_head: Vec<CacheResult<Vec<f32>>> = (0..kvh)
-        .into_par_iter()
-        .map(|h| {
-            let mut states = vec![Softmax::new(d); n * gs];
-            let ctx = Queries {
-                rotated: &q_rot,
-                n,
-                gs,
-                qh,
-                d,
-                base,
-                scale,
-                kv_head: h,
-            };
-            let mut logits = vec![0.0f32; GROUP];
-            let mut weights = vec![0.0f32; GROUP];
-            let mut kblk = vec![0.0f32; GROUP * d];
-            let mut vblk = vec![0.0f32; GROUP * d];
-
-            // Sink (rotated fp16), in blocks of at most 128 positions.
-            let sink_rows = lj.len.min(cfg.sink);
-            let mut first = 0;
-            while first < sink_rows {
-                let rows = (sink_rows - first).min(GROUP);
-                for t in 0..rows {
-                    let at = ((first + t) * kvh + h) * d;
-                    for c in 0..d {
-                        kblk[t * d + c] = lj.sink_k[at + c].to_f32();
-                        vblk[t * d + c] = lj.sink_v[at + c].to_f32();
+    let job = Job {
+        seq,
+        lj,
+        codec: &codec,
+        d,
+        r,
+        kvh,
+        sink: cfg.sink,
+        pairs: n * gs,
+    };
+    // Work items are (KV head, split-K chunk of CHUNK positions). The chunking is fixed by
+    // position, never by the thread count or the number of query rows, and the partial states
+    // are merged in chunk order, so every query row's result is the same however the work is
+    // scheduled. Small calls (decode) run every item in parallel and merge afterwards; large
+    // ones (prefill, whose states are large) run one task per head over its chunks in order.
+    let chunks = lj.len.div_ceil(CHUNK);
+    let ctx_of = |h: usize| Queries {
+        rotated: &q_rot,
+        gs,
+        qh,
+        d,
+        base,
+        scale,
+        kv_head: h,
+    };
+    let state_bytes = n * gs * d * 4;
+    let per_head: Vec<CacheResult<Vec<Softmax>>> =
+        if state_bytes * chunks * kvh <= PARALLEL_STATE_BYTES {
+            let items: Vec<(usize, usize)> = (0..kvh)
+                .flat_map(|h| (0..chunks).map(move |c| (h, c)))
+                .collect();
+            let parts: Vec<CacheResult<Vec<Softmax>>> = items
+                .par_iter()
+                .map_init(
+                    || (Scratch::new(d, r), codec.half_reader()),
+                    |(sc, reader), &(h, c)| {
+                        let mut states = vec![Softmax::new(d); n * gs];
+                        fold_chunk(&job, &ctx_of(h), c, &mut states, sc, reader)?;
+                        Ok(states)
+                    },
+                )
+                .collect();
+            let mut parts = parts.into_iter();
+            (0..kvh)
+                .map(|_| {
+                    let mut merged = vec![Softmax::new(d); n * gs];
+                    for part in parts.by_ref().take(chunks) {
+                        merge_states(&mut merged, &part?);
                     }
-                }
-                ctx.dense(
-                    &mut states,
-                    first,
-                    rows,
-                    &kblk,
-                    &vblk,
-                    &mut logits,
-                    &mut weights,
-                );
-                first += rows;
-            }
-
-            // Body records (rotated frame, absorbed scales).
-            let rb = codec.record_bytes();
-            for (g, &slot) in lj.blocks.iter().enumerate() {
-                let first = cfg.sink + g * GROUP;
-                let bytes = seq.pool().get(slot);
-                let record = &bytes[h * rb..(h + 1) * rb];
-                let halves = codec.halves(record)?;
-                for i in 0..n {
-                    let visible = ctx.visible(i, first, GROUP);
-                    for j in 0..gs {
-                        let qv = ctx.query(i, j);
-                        logits[..visible].fill(0.0);
-                        for (half, hd) in halves.iter().enumerate() {
-                            add_key_scores(
-                                hd,
-                                &qv[half * r..(half + 1) * r],
-                                &mut logits[..visible],
-                            );
-                        }
-                        for l in logits[..visible].iter_mut() {
-                            *l *= scale;
-                        }
-                        let st = &mut states[i * gs + j];
-                        if st.fold(&logits, visible, &mut weights) {
-                            for (half, hd) in halves.iter().enumerate() {
-                                add_values(
-                                    hd,
-                                    &weights[..visible],
-                                    &mut st.acc[half * r..(half + 1) * r],
-                                );
-                            }
-                        }
+                    Ok(merged)
+                })
+                .collect()
+        } else {
+            (0..kvh)
+                .into_par_iter()
+                .map(|h| {
+                    let (mut sc, mut reader) = (Scratch::new(d, r), codec.half_reader());
+                    let mut merged = vec![Softmax::new(d); n * gs];
+                    let mut part = vec![Softmax::new(d); n * gs];
+                    for c in 0..chunks {
+                        part.iter_mut().for_each(Softmax::clear);
+                        fold_chunk(&job, &ctx_of(h), c, &mut part, &mut sc, &mut reader)?;
+                        merge_states(&mut merged, &part);
                     }
-                }
-            }
+                    Ok(merged)
+                })
+                .collect()
+        };
 
-            // Ring, in blocks aligned to 128 positions.
-            let mut first = lj.ring_start(cfg.sink);
-            while first < lj.len {
-                let rows = (lj.len - first).min(GROUP);
-                for t in 0..rows {
-                    seq.ring_row(lj, first + t, h, false, &mut kblk[t * d..(t + 1) * d]);
-                    seq.ring_row(lj, first + t, h, true, &mut vblk[t * d..(t + 1) * d]);
-                }
-                ctx.dense(
-                    &mut states,
-                    first,
-                    rows,
-                    &kblk,
-                    &vblk,
-                    &mut logits,
-                    &mut weights,
-                );
-                first += rows;
-            }
-
-            // Normalise and rotate the value sum back to the model frame.
-            let mut out = vec![0.0f32; n * gs * d];
-            for (o, st) in out.chunks_exact_mut(d).zip(&states) {
-                o.copy_from_slice(&st.acc);
-                rotate_rows(o, d)?;
-                let inv = 1.0 / st.sum;
-                o.iter_mut().for_each(|x| *x *= inv);
-            }
-            Ok(out)
-        })
-        .collect();
-
+    // Normalise and rotate the value sums back to the model frame: [n][q_heads][head_dim].
     let mut out = vec![0.0f32; n * qh * d];
-    for (h, res) in per_head.into_iter().enumerate() {
-        let part = res?;
-        for i in 0..n {
-            for j in 0..gs {
-                let head = h * gs + j;
-                out[(i * qh + head) * d..(i * qh + head + 1) * d]
-                    .copy_from_slice(&part[(i * gs + j) * d..(i * gs + j + 1) * d]);
-            }
+    for (h, states) in per_head.into_iter().enumerate() {
+        let states = states?;
+        for (p, st) in states.iter().enumerate() {
+            let (i, j) = (p / gs, p % gs);
+            let o = &mut out[(i * qh + h * gs + j) * d..(i * qh + h * gs + j + 1) * d];
+            o.copy_from_slice(&st.acc);
+            rotate_rows(o, d)?;
+            let inv = 1.0 / st.sum;
+            o.iter_mut().for_each(|x| *x *= inv);
         }
     }
     Ok(out)

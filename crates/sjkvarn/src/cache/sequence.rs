@@ -251,10 +251,12 @@ impl Sequence {
         Ok(self.config.rules().chunk_limit(&l.state()))
     }
 
+    #[inline(always)]
     fn ring_index(&self, pos: usize) -> usize {
         (pos - self.config.sink) % self.config.ring_rows()
     }
 
+    #[inline(always)]
     fn ring_row_range(&self, pos: usize, head: usize, value: bool) -> std::ops::Range<usize> {
         let rb = self.rows.row_bytes();
         let start =
@@ -263,6 +265,7 @@ impl Sequence {
     }
 
     /// Decodes ring row `pos` of `head` (K or V) into `out`, in the staging frame.
+    #[inline(always)]
     pub(crate) fn ring_row(
         &self,
         layer: &LayerJournal,

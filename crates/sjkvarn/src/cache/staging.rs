@@ -85,6 +85,7 @@ impl RowCodec {
     }
 
     /// Decodes one row into `out` (rotated).
+    #[inline(always)]
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         match self.staging {
             Staging::Tq6 => tq6::decode_row(bytes, out),

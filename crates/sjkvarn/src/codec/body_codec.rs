@@ -10,6 +10,7 @@
 use super::fp16::f16_to_f32;
 use super::layout::{Body, RecordLayout, GROUP};
 use super::record::{Decoder, Sealer};
+use super::units::UnitReader;
 use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
 use crate::body::{BodyCoding, BodySpec, DecodedHalf, TrellisAxis};
 use crate::error::{CodecError, Result};
@@ -96,6 +97,16 @@ impl BodyCodec {
         }
     }
 
+    /// A reader of this codec's records into reused buffers (what attention uses).
+    pub fn half_reader(&self) -> HalfReader {
+        match self {
+            BodyCodec::Reference { layout, .. } => {
+                HalfReader::Reference(Box::new(UnitReader::new(*layout)))
+            }
+            BodyCodec::Extension { spec, .. } => HalfReader::Extension(*spec),
+        }
+    }
+
     /// The absorbed-scale halves of a record (one half per sub-record).
     pub fn halves(&self, rec: &[u8]) -> Result<Vec<DecodedHalf>> {
         match self {
@@ -152,6 +163,33 @@ impl BodyCodec {
     }
 }
 
+/// Reads records of one [`BodyCodec`] into the absorbed-scale form, reusing its buffers.
+#[derive(Debug, Clone)]
+pub enum HalfReader {
+    Reference(Box<UnitReader>),
+    Extension(BodySpec),
+}
+
+impl HalfReader {
+    /// The halves of `rec` into `out` (resized to the half count; buffers reused).
+    #[inline(always)]
+    pub fn read(&mut self, rec: &[u8], out: &mut Vec<DecodedHalf>) -> Result<()> {
+        match self {
+            HalfReader::Reference(reader) => {
+                out.resize_with(1, DecodedHalf::empty);
+                reader.read(rec, &mut out[0])
+            }
+            HalfReader::Extension(spec) => {
+                out.clear();
+                for h in 0..spec.half_count() {
+                    out.push(spec.decode_half(rec, h)?);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Seals records of one [`BodyCodec`].
 #[derive(Debug, Clone)]
 pub enum RecordSealer {
@@ -180,7 +218,7 @@ impl RecordSealer {
 }
 
 /// A reference record in the absorbed-scale form attention reads.
-fn reference_half(l: &RecordLayout, rec: &[u8]) -> Result<DecodedHalf> {
+pub(crate) fn reference_half(l: &RecordLayout, rec: &[u8]) -> Result<DecodedHalf> {
     if rec.len() != l.bytes {
         return Err(CodecError::LengthMismatch {
             what: "body record",

@@ -7,6 +7,7 @@
 //! * [`balance`]: log-domain variance balancing with the fixed reduction contract.
 //! * [`trellis`]: the 64-state trellis code, its window and Viterbi search.
 //! * [`record`]: sealing a group into a record and decoding it.
+//! * [`units`]: bulk reading of records into the absorbed-scale form attention scores from.
 //! * [`tq6`]: the `tq6_0` staging blocks.
 //! * [`codebooks`]: the format's tables (data).
 //!
@@ -24,7 +25,8 @@ pub mod record;
 pub mod rotation;
 pub mod tq6;
 pub mod trellis;
+pub mod units;
 
-pub use body_codec::{BodyCodec, RecordSealer};
+pub use body_codec::{BodyCodec, HalfReader, RecordSealer};
 pub use layout::{Body, RecordLayout, GROUP};
 pub use record::{Decoder, Sealer, ITERS};

@@ -92,14 +92,23 @@ fn encode_n(x: &[f32], n: usize, out: &mut [u8]) {
 }
 
 /// Decodes one block of `n` values: `centroid[code] * norm`.
+#[inline(always)]
 fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
     let t = tables(n);
     let norm = f16_to_f32(u16::from_le_bytes([block[0], block[1]]));
     let (qs, qh) = (2, 2 + n / 2);
-    for (i, o) in out[..n].iter_mut().enumerate() {
-        let lo = (block[qs + i / 2] >> ((i % 2) * 4)) & 0xf;
-        let hi = (block[qh + i / 4] >> ((i % 4) * 2)) & 0x3;
-        *o = t.centroids[(lo | hi << 4) as usize] * norm;
+    // Four values per step: two `qs` bytes (low nibbles) and one `qh` byte (high bit pairs).
+    for (i, o) in out[..n].chunks_exact_mut(4).enumerate() {
+        let (a, b, h) = (block[qs + 2 * i], block[qs + 2 * i + 1], block[qh + i]);
+        let codes = [
+            (a & 0xf) | (h & 3) << 4,
+            (a >> 4) | ((h >> 2) & 3) << 4,
+            (b & 0xf) | ((h >> 4) & 3) << 4,
+            (b >> 4) | (h >> 6) << 4,
+        ];
+        for (o, c) in o.iter_mut().zip(codes) {
+            *o = t.centroids[c as usize] * norm;
+        }
     }
 }
 
@@ -109,6 +118,7 @@ pub fn encode_block(x: &[f32], out: &mut [u8]) {
 }
 
 /// Decodes one 128-value block.
+#[inline(always)]
 pub fn decode_block(block: &[u8], out: &mut [f32]) {
     decode_n(block, BLOCK_VALUES, out)
 }
@@ -119,6 +129,7 @@ pub fn encode_block64(x: &[f32], out: &mut [u8]) {
 }
 
 /// Decodes one 64-value block (extension for 64-wide heads).
+#[inline(always)]
 pub fn decode_block64(block: &[u8], out: &mut [f32]) {
     decode_n(block, BLOCK64_VALUES, out)
 }
@@ -146,6 +157,7 @@ pub fn encode_row(x: &[f32], out: &mut [u8]) {
 }
 
 /// Decodes a row of whole blocks (or one 64-value block when `out` has 64 values).
+#[inline(always)]
 pub fn decode_row(bytes: &[u8], out: &mut [f32]) {
     if out.len() == BLOCK64_VALUES {
         return decode_block64(bytes, out);

@@ -42,7 +42,7 @@ pub fn codebook_f32(bits: u32, is_v: bool) -> Vec<f32> {
 
 /// Window (codebook index) of code `i` of run `run` in a channel-major payload of runs of
 /// `run_len` codes.
-#[inline]
+#[inline(always)]
 pub fn window(payload: &[u8], bits: u32, run: usize, i: usize, run_len: usize) -> usize {
     let bit = (run * run_len + i) * bits as usize;
     let width = HISTORY_BITS + bits;

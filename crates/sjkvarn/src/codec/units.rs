@@ -1,0 +1,236 @@
+//! Bulk reading of a reference record into the absorbed-scale form attention scores from
+//! ([`DecodedHalf`]), into buffers reused record after record.
+//!
+//! [`super::record::Decoder::q`] defines every code one at a time (the payload order of the
+//! layout: fragment order for 4-bit scalar sides, token-major for 2/3-bit scalar sides,
+//! channel-major trellis runs). Attention reads thousands of records per call, so this reader
+//! walks each payload in storage order instead: a 16x16 fragment tile is 128 contiguous bytes
+//! whose nibble order is the same permutation for every tile, token-major streams unpack
+//! linearly, and trellis runs read their windows run by run. The tests check it against
+//! `Decoder::q` code for code.
+
+use super::fp16::f16_to_f32;
+use super::layout::{unpack, Body, RecordLayout};
+use super::trellis::{codebook_f32, window};
+use crate::body::DecodedHalf;
+use crate::error::{CodecError, Result};
+
+/// Side of a fragment tile, in tokens and channels.
+const TILE: usize = 16;
+
+/// Reads reference records of one layout; tables are built once.
+#[derive(Debug, Clone)]
+pub struct UnitReader {
+    layout: RecordLayout,
+    /// Trellis codebooks as f32 (K, V); empty for scalar bodies.
+    codebooks: [Vec<f32>; 2],
+    /// Where each nibble of a fragment tile goes in the side's units, relative to the tile's
+    /// first unit (K, V).
+    fragment: [Vec<usize>; 2],
+    k_slot: Vec<usize>,
+    v_slot: Vec<usize>,
+    /// Token-major codes of one side before the K transpose.
+    scratch: Vec<u8>,
+}
+
+impl UnitReader {
+    pub fn new(layout: RecordLayout) -> Self {
+        let codebooks = if layout.body == Body::Trellis {
+            [
+                codebook_f32(layout.bits_k, false),
+                codebook_f32(layout.bits_v, true),
+            ]
+        } else {
+            [Vec::new(), Vec::new()]
+        };
+        let fragment = [false, true].map(|is_v| {
+            let mut order = vec![0usize; TILE * TILE];
+            if layout.fragment_order(is_v) {
+                let (d, g) = (layout.head_dim, layout.group);
+                for tt in 0..TILE {
+                    for dd in 0..TILE {
+                        // Bit offsets of tile (0, 0): nibble index = bit / 4.
+                        order[layout.code_bit(tt, dd, is_v) / 4] =
+                            if is_v { tt * d + dd } else { dd * g + tt };
+                    }
+                }
+            }
+            order
+        });
+        let d = layout.head_dim;
+        Self {
+            layout,
+            codebooks,
+            fragment,
+            k_slot: (0..d).map(|c| layout.k_channel_slot(c)).collect(),
+            v_slot: (0..d).map(|c| layout.v_channel_slot(c)).collect(),
+            scratch: vec![0u8; d * layout.group],
+        }
+    }
+
+    pub fn layout(&self) -> &RecordLayout {
+        &self.layout
+    }
+
+    /// Fills `out` (buffers resized as needed) with record `rec`: units `k_units[c][t]`,
+    /// `v_units[t][c]`, and the fp16 scale fields as f32.
+    #[inline(always)]
+    pub fn read(&mut self, rec: &[u8], out: &mut DecodedHalf) -> Result<()> {
+        let l = self.layout;
+        if rec.len() != l.bytes {
+            return Err(CodecError::LengthMismatch {
+                what: "body record",
+                expected: l.bytes,
+                got: rec.len(),
+            });
+        }
+        let (d, g) = (l.head_dim, l.group);
+        for buf in [&mut out.k_units, &mut out.v_units] {
+            buf.resize(d * g, 0.0);
+        }
+        self.read_side(rec, false, &mut out.k_units);
+        self.read_side(rec, true, &mut out.v_units);
+        let half = |off: usize| f16_to_f32(u16::from_le_bytes([rec[off], rec[off + 1]]));
+        let fill = |v: &mut Vec<f32>, n: usize, at: &dyn Fn(usize) -> usize| {
+            v.clear();
+            v.extend((0..n).map(|i| half(at(i))));
+        };
+        fill(&mut out.a_k, d, &|c| l.k_scale + 2 * self.k_slot[c]);
+        fill(&mut out.z_k, d, &|c| l.k_zero + 2 * self.k_slot[c]);
+        fill(&mut out.s_k, g, &|t| l.k_tok + 2 * t);
+        fill(&mut out.a_v, g, &|t| l.v_scale + 2 * t);
+        fill(&mut out.z_v, g, &|t| l.v_zero + 2 * t);
+        fill(&mut out.s_v, d, &|c| l.v_ch + 2 * self.v_slot[c]);
+        Ok(())
+    }
+
+    /// One side's units: keys channel-major (`[c * G + t]`), values token-major (`[t * D + c]`).
+    #[inline(always)]
+    fn read_side(&mut self, rec: &[u8], is_v: bool, out: &mut [f32]) {
+        let l = self.layout;
+        let (d, g) = (l.head_dim, l.group);
+        let bits = l.bits(is_v);
+        let payload = l.payload(rec, is_v);
+        let at = |t: usize, c: usize| if is_v { t * d + c } else { c * g + t };
+        if l.body == Body::Trellis {
+            // Channel-major runs of `g` codes; each code's value is its window's codebook entry.
+            let cb = &self.codebooks[is_v as usize];
+            for c in 0..d {
+                for t in 0..g {
+                    out[at(t, c)] = cb[window(payload, bits, c, t, g)];
+                }
+            }
+        } else if l.fragment_order(is_v) {
+            let order = &self.fragment[is_v as usize];
+            let tiles_d = d / TILE;
+            for (tile, bytes) in payload.chunks_exact(TILE * TILE / 2).enumerate() {
+                let base = at((tile / tiles_d) * TILE, (tile % tiles_d) * TILE);
+                let dst = &mut out[base..];
+                for (&b, to) in bytes.iter().zip(order.chunks_exact(2)) {
+                    dst[to[0]] = (b & 15) as f32;
+                    dst[to[1]] = (b >> 4) as f32;
+                }
+            }
+        } else {
+            // Token-major stream: unpack linearly, then place (a transpose for keys).
+            let codes = &mut self.scratch[..d * g];
+            unpack_linear(payload, bits, codes);
+            if is_v {
+                for (o, &q) in out.iter_mut().zip(codes.iter()) {
+                    *o = q as f32;
+                }
+            } else {
+                for t in 0..g {
+                    for c in 0..d {
+                        out[c * g + t] = codes[t * d + c] as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Unpacks consecutive `bits`-bit codes (LSB first) into `out`.
+#[inline(always)]
+fn unpack_linear(stream: &[u8], bits: u32, out: &mut [u8]) {
+    match bits {
+        2 => {
+            for (o, &b) in out.chunks_exact_mut(4).zip(stream) {
+                o.copy_from_slice(&[b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6]);
+            }
+        }
+        4 => {
+            for (o, &b) in out.chunks_exact_mut(2).zip(stream) {
+                o.copy_from_slice(&[b & 15, b >> 4]);
+            }
+        }
+        3 => {
+            for (o, b) in out.chunks_exact_mut(8).zip(stream.chunks_exact(3)) {
+                let w = b[0] as u32 | (b[1] as u32) << 8 | (b[2] as u32) << 16;
+                for (i, x) in o.iter_mut().enumerate() {
+                    *x = ((w >> (3 * i)) & 7) as u8;
+                }
+            }
+        }
+        _ => {
+            for (i, x) in out.iter_mut().enumerate() {
+                *x = unpack(stream, i * bits as usize, bits) as u8;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::record::Decoder;
+    use crate::rng::SplitMix64;
+
+    #[test]
+    fn every_code_and_scale_matches_the_per_code_decoder() {
+        let cases = [
+            (4, 4, Body::Scalar),
+            (4, 3, Body::Scalar),
+            (4, 2, Body::Scalar),
+            (3, 3, Body::Scalar),
+            (3, 2, Body::Scalar),
+            (2, 4, Body::Scalar),
+            (2, 2, Body::Scalar),
+            (3, 3, Body::Trellis),
+            (3, 2, Body::Trellis),
+            (2, 2, Body::Trellis),
+        ];
+        let mut rng = SplitMix64::new(11);
+        for d in [64usize, 128, 256] {
+            for &(k, v, body) in &cases {
+                let layout = RecordLayout::new(d, 128, k, v, body).unwrap();
+                // Random bytes: every code pattern; the scale fields are whatever fp16 they spell.
+                let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
+                let mut reader = UnitReader::new(layout);
+                let mut got = DecodedHalf::empty();
+                reader.read(&rec, &mut got).unwrap();
+                let dec = Decoder::new(layout);
+                for c in 0..d {
+                    for t in 0..128 {
+                        let (kq, vq) = (dec.q(&rec, t, c, false), dec.q(&rec, t, c, true));
+                        assert_eq!(got.k_units[c * 128 + t].to_bits(), kq.to_bits());
+                        assert_eq!(got.v_units[t * d + c].to_bits(), vq.to_bits());
+                    }
+                }
+                let want = super::super::body_codec::reference_half(&layout, &rec).unwrap();
+                for (a, b) in [
+                    (&got.a_k, &want.a_k),
+                    (&got.z_k, &want.z_k),
+                    (&got.s_k, &want.s_k),
+                    (&got.a_v, &want.a_v),
+                    (&got.z_v, &want.z_v),
+                    (&got.s_v, &want.s_v),
+                ] {
+                    let bits = |x: &Vec<f32>| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(a), bits(b), "{d} {k}/{v} {body:?}");
+                }
+                assert!(reader.read(&rec[1..], &mut got).is_err());
+            }
+        }
+    }
+}
