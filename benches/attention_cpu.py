@@ -66,7 +66,7 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                     + m["body_bytes"]
                     + m["ring_tokens"] * kvh * 2 * row_bytes
                 )
-                raw = torch.randint(0, 1 << 30, (max(read // 4, 1),), dtype=torch.int32)
+                raw = torch.rand(max(read // 4, 1), generator=gen)  # float32: a vectorised sum
                 sdpa = torch.nn.functional.scaled_dot_product_attention
                 calls = {
                     "sjkvarn": lambda: cache.attend(0, q),  # noqa: B023

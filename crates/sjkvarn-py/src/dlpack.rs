@@ -271,7 +271,7 @@ pub fn with_f32_out<'py, T>(
     if !view.is_compact() {
         return Err(invalid(format!("{what}: must be C-contiguous")));
     }
-    if view.len() > 0 && (view.data as usize) % std::mem::align_of::<f32>() != 0 {
+    if view.len() > 0 && !(view.data as usize).is_multiple_of(std::mem::align_of::<f32>()) {
         return Err(invalid(format!("{what}: data is not 4-byte aligned")));
     }
     let len = view.len();

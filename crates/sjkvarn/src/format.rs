@@ -160,7 +160,7 @@ impl BlockFormat {
     /// Encoded size of `values` values, or an error if it is not a whole number of blocks.
     pub fn encoded_len(self, values: usize) -> Result<usize> {
         let bv = self.block_values();
-        if values % bv != 0 {
+        if !values.is_multiple_of(bv) {
             return Err(CodecError::NotBlockMultiple {
                 what: self.name(),
                 len: values,
@@ -277,7 +277,7 @@ pub fn encode_into(
 /// Encoded size of `values` values on rows of `row_len` (0: any row length).
 pub fn encoded_len_rows(format: BlockFormat, values: usize, row_len: usize) -> Result<usize> {
     let bv = format.block_values_for(row_len);
-    if values % bv != 0 {
+    if !values.is_multiple_of(bv) {
         return Err(CodecError::NotBlockMultiple {
             what: format.name(),
             len: values,

@@ -183,7 +183,7 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
         let res: Result<(), String> = match op {
             0 | 1 => {
                 let n = b.u16() as usize % 700;
-                let width = kv * d + (b.u8() % 8 == 0) as usize;
+                let width = kv * d + b.u8().is_multiple_of(8) as usize;
                 let fill = b.f32();
                 let mut rng = SplitMix64::new(b.u16() as u64);
                 let k: Vec<f32> = (0..n * width)
@@ -205,7 +205,11 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
                 if let Some(x) = qv.get_mut(3) {
                     *x = fill;
                 }
-                let scale = if b.u8() % 7 == 0 { Some(b.f32()) } else { None };
+                let scale = if b.u8().is_multiple_of(7) {
+                    Some(b.f32())
+                } else {
+                    None
+                };
                 attend(&seq, layer, &qv, scale)
                     .map(|_| ())
                     .map_err(|e| e.to_string())

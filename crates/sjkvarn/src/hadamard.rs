@@ -46,7 +46,7 @@ pub fn rotate_head(head: &mut [f32]) -> Result<()> {
 /// Rotates every row of a row-major `[rows][head_dim]` buffer in place.
 pub fn rotate_rows(values: &mut [f32], head_dim: usize) -> Result<()> {
     let r = rotation_size(head_dim)?;
-    if values.len() % head_dim != 0 {
+    if !values.len().is_multiple_of(head_dim) {
         return Err(CodecError::NotBlockMultiple {
             what: "rotate",
             len: values.len(),

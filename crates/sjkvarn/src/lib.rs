@@ -70,6 +70,7 @@ pub mod lloyd_max;
 mod lloyd_max_tables;
 pub mod records;
 pub mod rng;
+pub mod simd;
 pub mod tq;
 
 pub use balance::{BalanceConfig, BalanceMode, BalanceStat};

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 fn tile_count(d: usize, what: &'static str, len: usize) -> Result<usize> {
     let tile = GROUP * d;
-    if len == 0 || len % tile != 0 {
+    if len == 0 || !len.is_multiple_of(tile) {
         return Err(CodecError::NotBlockMultiple {
             what,
             len,

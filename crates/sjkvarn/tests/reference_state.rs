@@ -29,7 +29,7 @@ fn mix(mut x: u64) -> u64 {
 fn val(seed: u64, variant: u64, pos: u64, i: u64, side: u64) -> f32 {
     let h = mix((seed << 40) ^ (variant << 36) ^ (pos << 16) ^ (i << 1) ^ side);
     let g = (h & 1023) as i32 + ((h >> 10) & 1023) as i32 - 1024;
-    let scale = if i % 41 == 0 {
+    let scale = if i.is_multiple_of(41) {
         24
     } else {
         1 + ((h >> 20) & 3) as i32

@@ -17,6 +17,7 @@ use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
+use crate::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
 
 /// Online-softmax state of one (query row, query head).
@@ -89,51 +90,6 @@ struct Job<'a> {
     pairs: usize,
 }
 
-/// The instruction sets the hot loops are compiled for, chosen once at run time: one binary
-/// (baseline x86-64 wheels) that still uses the vector units of the machine it runs on. Every
-/// level computes the same operations in the same order (Rust never fuses `a * b + c`), so the
-/// results are bit-identical across levels; `SJKVARN_SIMD=portable|avx2|avx512` forces a
-/// lower level.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum SimdLevel {
-    Portable,
-    Avx2,
-    Avx512,
-}
-
-/// The level this process uses (detected once).
-pub fn simd_level() -> SimdLevel {
-    static LEVEL: std::sync::OnceLock<SimdLevel> = std::sync::OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        let detected = detected_level();
-        match std::env::var("SJKVARN_SIMD").as_deref() {
-            Ok("portable") => SimdLevel::Portable,
-            Ok("avx2") => detected.min(SimdLevel::Avx2),
-            _ => detected,
-        }
-    })
-}
-
-fn detected_level() -> SimdLevel {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            return SimdLevel::Avx512;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return SimdLevel::Avx2;
-        }
-    }
-    SimdLevel::Portable
-}
-
 /// Folds split-K chunk `chunk` (positions `[chunk * CHUNK, (chunk + 1) * CHUNK)`) of KV head
 /// `ctx.kv_head` into `states`, compiled for `level`.
 fn fold_chunk_at(
@@ -155,17 +111,6 @@ fn fold_chunk_at(
         SimdLevel::Avx2 => unsafe { fold_chunk_avx2(job, ctx, chunk, states, sc, reader) },
         _ => fold_chunk_body(job, ctx, chunk, states, sc, reader),
     }
-}
-
-fn fold_chunk(
-    job: &Job,
-    ctx: &Queries,
-    chunk: usize,
-    states: &mut [Softmax],
-    sc: &mut Scratch,
-    reader: &mut HalfReader,
-) -> CacheResult<()> {
-    fold_chunk_at(simd_level(), job, ctx, chunk, states, sc, reader)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -545,10 +490,21 @@ pub fn attend(
     q: &[f32],
     scale: Option<f32>,
 ) -> CacheResult<Vec<f32>> {
+    attend_at(simd_level(), seq, layer, q, scale)
+}
+
+/// [`attend`] with the hot loops compiled for `level` (at most the detected level).
+fn attend_at(
+    level: SimdLevel,
+    seq: &Sequence,
+    layer: usize,
+    q: &[f32],
+    scale: Option<f32>,
+) -> CacheResult<Vec<f32>> {
     let cfg = seq.config();
     let (qh, kvh, d) = (cfg.q_heads, cfg.kv_heads, cfg.head_dim);
     let lj = seq.layer(layer)?;
-    if q.len() % (qh * d) != 0 || q.is_empty() {
+    if !q.len().is_multiple_of(qh * d) || q.is_empty() {
         return Err(CacheError::Shape {
             what: "attend q",
             expected: format!("[tokens, {qh}, {d}]"),
@@ -613,7 +569,7 @@ pub fn attend(
                     || (Scratch::new(d, r), codec.half_reader()),
                     |(sc, reader), &(h, c)| {
                         let mut states = vec![Softmax::new(d); n * gs];
-                        fold_chunk(&job, &ctx_of(h), c, &mut states, sc, reader)?;
+                        fold_chunk_at(level, &job, &ctx_of(h), c, &mut states, sc, reader)?;
                         Ok(states)
                     },
                 )
@@ -637,7 +593,7 @@ pub fn attend(
                     let mut part = vec![Softmax::new(d); n * gs];
                     for c in 0..chunks {
                         part.iter_mut().for_each(Softmax::clear);
-                        fold_chunk(&job, &ctx_of(h), c, &mut part, &mut sc, &mut reader)?;
+                        fold_chunk_at(level, &job, &ctx_of(h), c, &mut part, &mut sc, &mut reader)?;
                         merge_states(&mut merged, &part);
                     }
                     Ok(merged)
@@ -659,4 +615,55 @@ pub fn attend(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body::{BodyCoding, TrellisAxis};
+    use crate::cache::{CacheConfig, LayerCoding};
+    use crate::rng::SplitMix64;
+    use crate::simd::detected_level;
+    use std::sync::Arc;
+
+    /// Every instruction-set level this CPU has gives the same bits, for decode and prefill
+    /// rows, over sink, scalar or trellis records and the ring.
+    #[test]
+    fn every_simd_level_gives_the_same_bits() {
+        let levels: Vec<SimdLevel> = [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|&l| l <= detected_level())
+            .collect();
+        eprintln!("levels compared: {levels:?}");
+        let trellis = LayerCoding {
+            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            ..LayerCoding::scalar(3, 2)
+        };
+        for coding in [LayerCoding::scalar(4, 4), trellis] {
+            let mut c = CacheConfig::uniform(1, 8, 2, 128, coding, 6000);
+            (c.min_tail, c.max_tail) = (256, 512);
+            let cfg = Arc::new(c);
+            let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
+            let mut rng = SplitMix64::new(5);
+            while seq.len(0).unwrap() < 5000 {
+                let n = seq.chunk_limit(0).unwrap().min(5000 - seq.len(0).unwrap());
+                seq.append(0, &rng.gaussians(n * 256), &rng.gaussians(n * 256))
+                    .unwrap();
+            }
+            assert!(seq.memory().sealed_tokens > 2 * CHUNK);
+            for rows in [1usize, 37] {
+                let q = rng.gaussians(rows * 8 * 128);
+                let want = attend_at(SimdLevel::Portable, &seq, 0, &q, None).unwrap();
+                for &level in &levels {
+                    let got = attend_at(level, &seq, 0, &q, None).unwrap();
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{level:?}, {rows} rows");
+                }
+            }
+        }
+    }
 }

@@ -138,7 +138,7 @@ impl CacheConfig {
         if self.layers == 0 || self.kv_heads == 0 || self.q_heads == 0 {
             return bad("layers, q_heads and kv_heads must be at least 1".into());
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "q_heads ({}) must be a multiple of kv_heads ({})",
                 self.q_heads, self.kv_heads
@@ -157,7 +157,7 @@ impl CacheConfig {
                 self.head_dim
             ));
         }
-        if self.sink == 0 || self.sink % 64 != 0 || self.sink > 1 << 16 {
+        if self.sink == 0 || !self.sink.is_multiple_of(64) || self.sink > 1 << 16 {
             return bad(format!(
                 "sink ({}) must be a non-zero multiple of 64 (at most 65536)",
                 self.sink
@@ -243,10 +243,10 @@ impl CacheConfig {
         let uniform = self.layer_coding.windows(2).all(|w| w[0] == w[1]);
         // The reference asks for whole-group tails (sjkvarn also accepts others, e.g. for
         // scaled-down evaluations).
-        let tails = self.min_tail % GROUP == 0 && self.max_tail % 128 == 0;
+        let tails = self.min_tail.is_multiple_of(GROUP) && self.max_tail.is_multiple_of(128);
         uniform
             && tails
-            && self.head_dim % 128 == 0
+            && self.head_dim.is_multiple_of(128)
             && self.staging != Staging::Q8_0
             && (0..self.layers).all(|l| self.body_codec(l).is_reference())
     }

@@ -297,7 +297,7 @@ impl Sequence {
         let (h, d, sink) = (cfg.kv_heads, cfg.head_dim, cfg.sink);
         let per_tok = h * d;
         let l = self.layer(layer)?;
-        if k.len() % per_tok != 0 || v.len() != k.len() {
+        if !k.len().is_multiple_of(per_tok) || v.len() != k.len() {
             return Err(CacheError::Shape {
                 what: "append k/v",
                 expected: format!("[tokens, {h}, {d}] for both"),

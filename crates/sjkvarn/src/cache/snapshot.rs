@@ -220,10 +220,10 @@ impl CacheConfig {
         let codec = self.body_codec(layers[0]);
         let uniform = layers.iter().all(|&l| self.layer_coding[l] == lc);
         let reference = uniform
-            && self.min_tail % GROUP == 0
-            && self.max_tail % 128 == 0
+            && self.min_tail.is_multiple_of(GROUP)
+            && self.max_tail.is_multiple_of(128)
             && codec.is_reference()
-            && self.head_dim % 128 == 0
+            && self.head_dim.is_multiple_of(128)
             && self.staging != Staging::Q8_0;
         let body = match &codec {
             BodyCodec::Reference { layout, .. } => layout.body,

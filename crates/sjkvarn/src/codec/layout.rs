@@ -84,7 +84,7 @@ impl RecordLayout {
         if head_dim < 32 || !head_dim.is_power_of_two() || head_dim > 1024 {
             return Err(CodecError::UnsupportedHeadDim(head_dim));
         }
-        if group == 0 || group % 16 != 0 {
+        if group == 0 || !group.is_multiple_of(16) {
             return Err(CodecError::InvalidSetting(format!(
                 "group must be a positive multiple of 16, got {group}"
             )));
@@ -136,7 +136,7 @@ impl RecordLayout {
 
     /// Whether the reference codec accepts this geometry (everything but 64-wide trellis).
     pub fn is_reference(&self) -> bool {
-        self.body == Body::Scalar || self.head_dim % 128 == 0
+        self.body == Body::Scalar || self.head_dim.is_multiple_of(128)
     }
 
     /// Stored bits per cached value (K and V, scales included).
@@ -156,8 +156,8 @@ impl RecordLayout {
     pub fn fragment_order(&self, is_v: bool) -> bool {
         self.body == Body::Scalar
             && self.bits(is_v) == 4
-            && self.head_dim % 16 == 0
-            && self.group % 16 == 0
+            && self.head_dim.is_multiple_of(16)
+            && self.group.is_multiple_of(16)
     }
 
     /// Bit offset of the code of token `t`, channel `d` inside the K or V payload.

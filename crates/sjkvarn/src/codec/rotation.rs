@@ -43,7 +43,7 @@ pub fn rotate_heads(values: &mut [f32], head_dim: usize) -> Result<()> {
     if head_dim == 0 || !head_dim.is_power_of_two() {
         return Err(CodecError::UnsupportedRotationLength(head_dim));
     }
-    if values.len() % head_dim != 0 {
+    if !values.len().is_multiple_of(head_dim) {
         return Err(CodecError::NotBlockMultiple {
             what: "rotation",
             len: values.len(),

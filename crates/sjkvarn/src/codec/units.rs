@@ -24,9 +24,6 @@ pub struct UnitReader {
     layout: RecordLayout,
     /// Trellis codebooks as f32 (K, V); empty for scalar bodies.
     codebooks: [Vec<f32>; 2],
-    /// Where each nibble of a fragment tile goes in the side's units, relative to the tile's
-    /// first unit (K, V).
-    fragment: [Vec<usize>; 2],
     k_slot: Vec<usize>,
     v_slot: Vec<usize>,
     /// Token-major codes of one side before the K transpose.
@@ -43,25 +40,10 @@ impl UnitReader {
         } else {
             [Vec::new(), Vec::new()]
         };
-        let fragment = [false, true].map(|is_v| {
-            let mut order = vec![0usize; TILE * TILE];
-            if layout.fragment_order(is_v) {
-                let (d, g) = (layout.head_dim, layout.group);
-                for tt in 0..TILE {
-                    for dd in 0..TILE {
-                        // Bit offsets of tile (0, 0): nibble index = bit / 4.
-                        order[layout.code_bit(tt, dd, is_v) / 4] =
-                            if is_v { tt * d + dd } else { dd * g + tt };
-                    }
-                }
-            }
-            order
-        });
         let d = layout.head_dim;
         Self {
             layout,
             codebooks,
-            fragment,
             k_slot: (0..d).map(|c| layout.k_channel_slot(c)).collect(),
             v_slot: (0..d).map(|c| layout.v_channel_slot(c)).collect(),
             scratch: vec![0u8; d * layout.group],
@@ -121,15 +103,12 @@ impl UnitReader {
                 }
             }
         } else if l.fragment_order(is_v) {
-            let order = &self.fragment[is_v as usize];
+            // Keys' rows are channels (`G` apart), values' rows are tokens (`D` apart).
+            let stride = if is_v { d } else { g };
             let tiles_d = d / TILE;
             for (tile, bytes) in payload.chunks_exact(TILE * TILE / 2).enumerate() {
                 let base = at((tile / tiles_d) * TILE, (tile % tiles_d) * TILE);
-                let dst = &mut out[base..];
-                for (&b, to) in bytes.iter().zip(order.chunks_exact(2)) {
-                    dst[to[0]] = (b & 15) as f32;
-                    dst[to[1]] = (b >> 4) as f32;
-                }
+                fragment_tile(bytes, &mut out[base..], stride);
             }
         } else {
             // Token-major stream: unpack linearly, then place (a transpose for keys).
@@ -146,6 +125,90 @@ impl UnitReader {
                     }
                 }
             }
+        }
+    }
+}
+
+/// One 16x16 fragment tile (128 bytes = 32 little-endian words of 8 nibbles) into `dst`, whose
+/// rows are `stride` apart. For both sides the layout works out the same way: word `4b + a`,
+/// nibble `n` is row `2a + 8((n >> 1) & 1) + (n >> 2)`, column `8(n & 1) + b`, so each
+/// (a, n) is 8 consecutive units of one row.
+#[inline(always)]
+fn fragment_tile(bytes: &[u8], dst: &mut [f32], stride: usize) {
+    assert!(bytes.len() == 128 && dst.len() >= 15 * stride + 16 && stride >= 16);
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx512() {
+        // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the lengths were checked above.
+        unsafe { fragment_tile_avx512(bytes, dst, stride) };
+        return;
+    }
+    fragment_tile_portable(bytes, dst, stride);
+}
+
+#[inline(always)]
+fn fragment_tile_portable(bytes: &[u8], dst: &mut [f32], stride: usize) {
+    for a in 0..4 {
+        for n in 0..8 {
+            let row = 2 * a + 8 * ((n >> 1) & 1) + (n >> 2);
+            let o = &mut dst[row * stride + 8 * (n & 1)..][..8];
+            for (b, x) in o.iter_mut().enumerate() {
+                let at = 4 * (4 * b + a);
+                let w =
+                    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+                *x = ((w >> (4 * n)) & 15) as f32;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads); every store writes 8 floats at
+    // `row * stride + 8 (n & 1)` with row <= 15 inside `dst`, as the caller checked.
+    let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
+    let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
+    let column = |a: i32| {
+        let idx = _mm512_setr_epi32(
+            a,
+            4 + a,
+            8 + a,
+            12 + a,
+            16 + a,
+            20 + a,
+            24 + a,
+            28 + a,
+            a + 1,
+            5 + a,
+            9 + a,
+            13 + a,
+            17 + a,
+            21 + a,
+            25 + a,
+            29 + a,
+        );
+        _mm512_permutex2var_epi32(w0, idx, w1)
+    };
+    let nibble = _mm512_set1_epi32(15);
+    let out = dst.as_mut_ptr();
+    for a in [0usize, 2] {
+        let cols = column(a as i32); // words of columns a (lanes 0..8) and a + 1 (lanes 8..16)
+        for n in 0..8usize {
+            let v = _mm512_and_si512(
+                _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
+                nibble,
+            );
+            let v = _mm512_cvtepi32_ps(v);
+            let (row, col) = (8 * ((n >> 1) & 1) + (n >> 2), 8 * (n & 1));
+            _mm256_storeu_ps(
+                out.add((2 * a + row) * stride + col),
+                _mm512_castps512_ps256(v),
+            );
+            _mm256_storeu_ps(
+                out.add((2 * a + 2 + row) * stride + col),
+                _mm512_extractf32x8_ps::<1>(v),
+            );
         }
     }
 }
@@ -230,6 +293,36 @@ mod tests {
                     assert_eq!(bits(a), bits(b), "{d} {k}/{v} {body:?}");
                 }
                 assert!(reader.read(&rec[1..], &mut got).is_err());
+            }
+        }
+    }
+
+    /// Both tile readers (portable, and AVX-512 where the CPU has it) put every nibble where
+    /// the layout's `code_bit` says, for the key and the value side.
+    #[test]
+    fn fragment_tiles_follow_the_layout() {
+        let layout = RecordLayout::new(64, 128, 4, 4, Body::Scalar).unwrap();
+        let mut rng = SplitMix64::new(2);
+        for is_v in [false, true] {
+            let stride = if is_v { 64 } else { 128 };
+            let bytes: Vec<u8> = (0..128).map(|_| rng.next_u64() as u8).collect();
+            let mut want = vec![-1f32; 16 * stride];
+            for tt in 0..16 {
+                for dd in 0..16 {
+                    let q = unpack(&bytes, layout.code_bit(tt, dd, is_v), 4) as f32;
+                    let (row, col) = if is_v { (tt, dd) } else { (dd, tt) };
+                    want[row * stride + col] = q;
+                }
+            }
+            let mut got = vec![-1f32; 16 * stride];
+            fragment_tile_portable(&bytes, &mut got, stride);
+            assert_eq!(got, want, "portable, is_v {is_v}");
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::avx512() {
+                let mut fast = vec![-1f32; 16 * stride];
+                // SAFETY: AVX-512 is present (checked); sizes as `fragment_tile` requires.
+                unsafe { fragment_tile_avx512(&bytes, &mut fast, stride) };
+                assert_eq!(fast, want, "avx512, is_v {is_v}");
             }
         }
     }

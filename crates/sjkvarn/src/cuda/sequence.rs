@@ -574,7 +574,7 @@ impl DeviceSequence {
     /// [`append_raw`](Self::append_raw) from host slices (tests, benchmarks, the CPU bridge).
     pub fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> CudaResult<()> {
         let per_tok = self.config.kv_heads * self.config.head_dim;
-        if k.len() % per_tok != 0 || v.len() != k.len() {
+        if !k.len().is_multiple_of(per_tok) || v.len() != k.len() {
             return Err(CacheError::Shape {
                 what: "append k/v",
                 expected: format!(
@@ -798,7 +798,7 @@ impl DeviceSequence {
     /// [`attend_raw`](Self::attend_raw) from and to host memory.
     pub fn attend_host(&self, layer: usize, q: &[f32], scale: Option<f32>) -> CudaResult<Vec<f32>> {
         let per = self.config.q_heads * self.config.head_dim;
-        if q.is_empty() || q.len() % per != 0 {
+        if q.is_empty() || !q.len().is_multiple_of(per) {
             return Err(CacheError::Shape {
                 what: "attend q",
                 expected: format!(

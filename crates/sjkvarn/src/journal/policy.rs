@@ -497,7 +497,7 @@ mod tests {
                     prop_assert!(!p.draining || cut >= b_before);
                     pos = r;
                 }
-                prop_assert!(p.b >= SINK && (p.b - SINK) % G == 0);
+                prop_assert!(p.b >= SINK && (p.b - SINK).is_multiple_of(G));
             }
         }
     }
