@@ -28,6 +28,8 @@ pub struct UnitReader {
     v_slot: Vec<usize>,
     /// Token-major codes of one side before the K transpose.
     scratch: Vec<u8>,
+    /// One trellis run's values.
+    run: Vec<f32>,
 }
 
 impl UnitReader {
@@ -47,6 +49,7 @@ impl UnitReader {
             k_slot: (0..d).map(|c| layout.k_channel_slot(c)).collect(),
             v_slot: (0..d).map(|c| layout.v_channel_slot(c)).collect(),
             scratch: vec![0u8; d * layout.group],
+            run: vec![0f32; layout.group],
         }
     }
 
@@ -97,9 +100,16 @@ impl UnitReader {
         if l.body == Body::Trellis {
             // Channel-major runs of `g` codes; each code's value is its window's codebook entry.
             let cb = &self.codebooks[is_v as usize];
+            let start = if is_v { l.v_payload } else { l.k_payload };
+            let run = &mut self.run[..g];
             for c in 0..d {
-                for t in 0..g {
-                    out[at(t, c)] = cb[window(payload, bits, c, t, g)];
+                trellis_run(rec, start, payload.len(), bits, c, cb, run);
+                if is_v {
+                    for (t, &x) in run.iter().enumerate() {
+                        out[t * d + c] = x;
+                    }
+                } else {
+                    out[c * g..(c + 1) * g].copy_from_slice(run);
                 }
             }
         } else if l.fragment_order(is_v) {
@@ -126,6 +136,71 @@ impl UnitReader {
                 }
             }
         }
+    }
+}
+
+/// The values of trellis run `c` (`out.len()` codes) of the payload at `rec[start..start +
+/// len]`. Past its first codes, a code's window is the `6 + bits` stream bits ending with it,
+/// read straight from the stream (16 at a time with AVX-512 gathers); the first 16 go through
+/// [`window`], which starts them from the zero state.
+#[inline(always)]
+fn trellis_run(
+    rec: &[u8],
+    start: usize,
+    len: usize,
+    bits: u32,
+    c: usize,
+    cb: &[f32],
+    out: &mut [f32],
+) {
+    let payload = &rec[start..start + len];
+    let g = out.len();
+    let head = g.min(16);
+    for (t, o) in out[..head].iter_mut().enumerate() {
+        *o = cb[window(payload, bits, c, t, g)];
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx512() && start + len + 4 <= rec.len() && g % 16 == 0 {
+        // SAFETY: the CPU reported AVX-512; every gathered 4-byte read starts inside the
+        // payload and ends at most 3 bytes past it, inside `rec` (checked above); codebook
+        // indices are masked to `6 + bits` bits and the codebook has `1 << (6 + bits)` entries.
+        unsafe { trellis_tail_avx512(rec, start, bits, c, cb, out) };
+        return;
+    }
+    for (t, o) in out.iter_mut().enumerate().skip(head) {
+        *o = cb[window(payload, bits, c, t, g)];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+unsafe fn trellis_tail_avx512(
+    rec: &[u8],
+    start: usize,
+    bits: u32,
+    c: usize,
+    cb: &[f32],
+    out: &mut [f32],
+) {
+    use super::trellis::HISTORY_BITS;
+    use std::arch::x86_64::*;
+    debug_assert_eq!(cb.len(), 1 << (HISTORY_BITS + bits));
+    let g = out.len();
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mask = _mm512_set1_epi32((1 << (HISTORY_BITS + bits)) - 1);
+    let base = rec.as_ptr().add(start);
+    for t0 in (16..g).step_by(16) {
+        // Bit where each window starts: (c * g + t) * bits - HISTORY_BITS.
+        let first = ((c * g + t0) * bits as usize - HISTORY_BITS as usize) as i32;
+        let bit = _mm512_add_epi32(
+            _mm512_set1_epi32(first),
+            _mm512_mullo_epi32(lanes, _mm512_set1_epi32(bits as i32)),
+        );
+        let words = _mm512_i32gather_epi32::<1>(_mm512_srli_epi32::<3>(bit), base as *const i32);
+        let shift = _mm512_and_si512(bit, _mm512_set1_epi32(7));
+        let idx = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
+        let v = _mm512_i32gather_ps::<4>(idx, cb.as_ptr());
+        _mm512_storeu_ps(out.as_mut_ptr().add(t0), v);
     }
 }
 
