@@ -116,7 +116,14 @@ def main() -> int:
         argv = [sys.argv[0], "--worker", "--threads", str(threads), "--repeats", str(args.repeats)]
         argv += ["--tokens", *map(str, args.tokens), "--geometry", *args.geometry]
         argv += ["--bodies", *args.bodies]
-        env = dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin for a while after
+        # each SDPA call and take the core that sjkvarn's second thread is about to use.
+        env = dict(
+            os.environ,
+            RAYON_NUM_THREADS=str(threads),
+            OMP_NUM_THREADS=str(threads),
+            OMP_WAIT_POLICY="PASSIVE",
+        )
         done = subprocess.run(
             [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True
         )
