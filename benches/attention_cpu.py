@@ -5,7 +5,8 @@ decode query is timed, alternating in one process between: sjkvarn `Cache.attend
 over the same K/V in float32 and in bfloat16 with the query heads of a KV head folded into the
 query axis (GQA: each K/V row is read once, as sjkvarn reads it); and a plain read of as many
 bytes as sjkvarn's call touches (sink + the records it scores + the ring rows: the bandwidth
-limit). Each thread count runs in its own process (`RAYON_NUM_THREADS`, `torch.set_num_threads`).
+limit). Each thread count runs in its own process (`RAYON_NUM_THREADS`, `torch.set_num_threads`,
+and `OMP_WAIT_POLICY=PASSIVE` so that idle OpenMP threads do not spin on the second core).
 Reports medians and ratios from that one alternating run.
 
 Usage: python benches/attention_cpu.py [--tokens 4096 16384 65536] [--threads 1 2]
