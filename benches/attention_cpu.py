@@ -58,7 +58,8 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                 q = torch.randn(1, qh, d, generator=gen)
                 # GQA folded: [1, kv_heads, group size, d] queries over [1, kv_heads, n, d].
                 qf = q[0].reshape(kvh, gs, d)[None]
-                kf, vf = k.permute(1, 0, 2)[None].contiguous(), v.permute(1, 0, 2)[None].contiguous()
+                kf = k.permute(1, 0, 2)[None].contiguous()
+                vf = v.permute(1, 0, 2)[None].contiguous()
                 qb, kbf, vbf = qf.bfloat16(), kf.bfloat16(), vf.bfloat16()
                 m = cache.memory()
                 row_bytes = ROW_BYTES_TQ6_PER_128 * d // 128
