@@ -160,7 +160,7 @@ fn trellis_run(
         *o = cb[window(payload, bits, c, t, g)];
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx512() && start + len + 4 <= rec.len() && g % 16 == 0 {
+    if crate::simd::avx512() && start + len + 4 <= rec.len() && g.is_multiple_of(16) {
         // SAFETY: the CPU reported AVX-512; every gathered 4-byte read starts inside the
         // payload and ends at most 3 bytes past it, inside `rec` (checked above); codebook
         // indices are masked to `6 + bits` bits and the codebook has `1 << (6 + bits)` entries.
