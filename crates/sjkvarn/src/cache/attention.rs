@@ -113,31 +113,29 @@ fn fold_chunk_at(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-unsafe fn fold_chunk_avx512(
-    job: &Job,
-    ctx: &Queries,
-    chunk: usize,
-    states: &mut [Softmax],
-    sc: &mut Scratch,
-    reader: &mut HalfReader,
-) -> CacheResult<()> {
-    fold_chunk_body(job, ctx, chunk, states, sc, reader)
+/// `fold_chunk_body` compiled for one instruction set (the body is inlined into it).
+macro_rules! fold_chunk_for {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            job: &Job,
+            ctx: &Queries,
+            chunk: usize,
+            states: &mut [Softmax],
+            sc: &mut Scratch,
+            reader: &mut HalfReader,
+        ) -> CacheResult<()> {
+            fold_chunk_body(job, ctx, chunk, states, sc, reader)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fold_chunk_avx2(
-    job: &Job,
-    ctx: &Queries,
-    chunk: usize,
-    states: &mut [Softmax],
-    sc: &mut Scratch,
-    reader: &mut HalfReader,
-) -> CacheResult<()> {
-    fold_chunk_body(job, ctx, chunk, states, sc, reader)
-}
+fold_chunk_for!(
+    fold_chunk_avx512,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+);
+fold_chunk_for!(fold_chunk_avx2, "avx2,fma");
 
 /// The blocks of one chunk, in position order: sink blocks, body records, ring blocks (each
 /// block belongs to the chunk holding its first position). Inlined into each SIMD level.
@@ -262,6 +260,22 @@ impl Queries<'_> {
         &self.rotated[(i * self.qh + head) * self.d..(i * self.qh + head + 1) * self.d]
     }
 
+    /// Visible positions of each pair of `pairs` (at most `PAIRS`) in a block, without
+    /// allocating: this runs once per block and pair block.
+    fn visible_all(
+        &self,
+        pairs: std::ops::Range<usize>,
+        first: usize,
+        rows: usize,
+    ) -> ([usize; PAIRS], usize) {
+        let mut out = [0usize; PAIRS];
+        let np = pairs.len();
+        for (o, p) in out.iter_mut().zip(pairs) {
+            *o = self.visible(p, first, rows);
+        }
+        (out, np)
+    }
+
     /// Positions of a block of `rows` starting at `first` visible to pair `p`'s query row.
     fn visible(&self, p: usize, first: usize, rows: usize) -> usize {
         (self.base + p / self.gs + 1)
@@ -311,8 +325,8 @@ fn fold_dense(
     sc: &mut Scratch,
 ) {
     let d = ctx.d;
-    let visible: Vec<usize> = pairs.clone().map(|p| ctx.visible(p, first, rows)).collect();
-    let most = visible.iter().copied().max().unwrap_or(0);
+    let (visible, np) = ctx.visible_all(pairs.clone(), first, rows);
+    let most = visible[..np].iter().copied().max().unwrap_or(0);
     for t in 0..most {
         let k = &sc.kblk[t * d..(t + 1) * d];
         for (slot, p) in pairs.clone().enumerate() {
@@ -356,14 +370,10 @@ fn fold_record(
     r: usize,
     sc: &mut Scratch,
 ) {
-    let visible: Vec<usize> = pairs
-        .clone()
-        .map(|p| ctx.visible(p, first, GROUP))
-        .collect();
-    if visible.iter().all(|&v| v == 0) {
+    let (visible, np) = ctx.visible_all(pairs.clone(), first, GROUP);
+    if visible[..np].iter().all(|&v| v == 0) {
         return;
     }
-    let np = visible.len();
     sc.logits[..np * GROUP].fill(0.0);
     for (half, hd) in sc.halves.iter().enumerate() {
         let mut offset = [0.0f32; PAIRS];
