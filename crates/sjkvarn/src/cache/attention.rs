@@ -7,11 +7,14 @@
 //! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`).
 //!
 //! Each query row is processed on its own, in a fixed block order (sink, groups, ring blocks
-//! aligned to 128 positions), and masked positions are skipped, not zeroed: a row's output does
-//! not depend on how many other rows share the call. Chunked prefill therefore equals
-//! token-by-token decoding bit for bit when chunks do not straddle a seal.
+//! aligned to 128 positions), and every sum runs in a fixed order ([`super::tile_gemm`]):
+//! masked positions add nothing (their weight is zero or their logit is never read), so a
+//! row's output does not depend on how many other rows share the call. Chunked prefill
+//! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
+use super::online_softmax::{merge_states, Softmax};
 use super::sequence::{LayerJournal, Sequence};
+use super::tile_gemm::{dot, dots, product, MAX_ROWS};
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
@@ -19,55 +22,6 @@ use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
 use crate::simd::{simd_level, SimdLevel};
 use rayon::prelude::*;
-
-/// Online-softmax state of one (query row, query head).
-#[derive(Clone)]
-struct Softmax {
-    max: f32,
-    sum: f32,
-    /// Value sum in the rotated frame.
-    acc: Vec<f32>,
-}
-
-impl Softmax {
-    fn clear(&mut self) {
-        self.max = f32::NEG_INFINITY;
-        self.sum = 0.0;
-        self.acc.fill(0.0);
-    }
-
-    fn new(d: usize) -> Self {
-        Self {
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
-            acc: vec![0.0; d],
-        }
-    }
-
-    /// Folds a block of logits in: returns the weight of each logit (0 for masked ones) after
-    /// rescaling the running sums, or `None` when the whole block is masked.
-    #[inline(always)]
-    fn fold(&mut self, logits: &[f32], visible: usize, weights: &mut [f32]) -> bool {
-        if visible == 0 {
-            return false;
-        }
-        let block_max = logits[..visible]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let new_max = self.max.max(block_max);
-        let rescale = (self.max - new_max).exp();
-        if rescale != 1.0 {
-            self.sum *= rescale;
-            self.acc.iter_mut().for_each(|v| *v *= rescale);
-        }
-        self.max = new_max;
-        for (w, &x) in weights[..visible].iter_mut().zip(&logits[..visible]) {
-            *w = (x - new_max).exp();
-            self.sum += *w;
-        }
-        true
-    }
-}
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
 /// derived from the thread count or the call), so results do not depend on scheduling.
@@ -213,51 +167,32 @@ fn fold_chunk_body(
     Ok(())
 }
 
-/// `merged = merged (+) part` for every pair: the log-sum-exp merge of two partial softmax
-/// states (an empty part changes nothing; an empty `merged` takes the part as it is).
-fn merge_states(merged: &mut [Softmax], part: &[Softmax]) {
-    for (m, p) in merged.iter_mut().zip(part) {
-        if p.max == f32::NEG_INFINITY {
-            continue;
-        }
-        if m.max == f32::NEG_INFINITY {
-            m.max = p.max;
-            m.sum = p.sum;
-            m.acc.copy_from_slice(&p.acc);
-            continue;
-        }
-        let max = m.max.max(p.max);
-        let (em, ep) = ((m.max - max).exp(), (p.max - max).exp());
-        m.sum = m.sum * em + p.sum * ep;
-        for (a, &b) in m.acc.iter_mut().zip(&p.acc) {
-            *a = *a * em + b * ep;
-        }
-        m.max = max;
-    }
-}
-
 /// Query (row, head) pairs scored together against one block: each K/V element loaded is
 /// used by all of them, and their scratch (a few KiB) stays in L1.
-const PAIRS: usize = 8;
+const PAIRS: usize = MAX_ROWS;
 
-/// The rotated query rows of one KV head's group. Pair `p` is query row `p / gs`, head
-/// `p % gs` of the group.
+/// The rotated query rows of one KV head's group, `[pairs][d]`. Pair `p` is query row
+/// `p / gs`, head `p % gs` of the group.
 struct Queries<'a> {
     rotated: &'a [f32],
     gs: usize,
-    qh: usize,
     d: usize,
     /// Position of query row 0.
     base: usize,
     scale: f32,
     kv_head: usize,
+    /// The instruction set the arithmetic kernel runs on.
+    level: SimdLevel,
 }
 
 impl Queries<'_> {
+    /// The rotated queries of pairs `p..`, `d` apart.
+    fn from_pair(&self, p: usize) -> &[f32] {
+        &self.rotated[p * self.d..]
+    }
+
     fn query(&self, p: usize) -> &[f32] {
-        let (i, j) = (p / self.gs, p % self.gs);
-        let head = self.kv_head * self.gs + j;
-        &self.rotated[(i * self.qh + head) * self.d..(i * self.qh + head + 1) * self.d]
+        &self.rotated[p * self.d..(p + 1) * self.d]
     }
 
     /// Visible positions of each pair of `pairs` (at most `PAIRS`) in a block, without
@@ -290,9 +225,10 @@ struct Scratch {
     logits: Vec<f32>,
     weights: Vec<f32>,
     part_k: Vec<f32>,
-    /// `[PAIRS][half width]` value partial sums and `q * a_K` products.
+    /// `[PAIRS][d]` value partial sums.
     part_v: Vec<f32>,
-    qa: Vec<f32>,
+    /// `[inner][pairs]`: the left operand of a product, transposed.
+    a_t: Vec<f32>,
     /// `[GROUP][d]` dense rows of a sink or ring block.
     kblk: Vec<f32>,
     vblk: Vec<f32>,
@@ -305,8 +241,8 @@ impl Scratch {
             logits: vec![0.0; PAIRS * GROUP],
             weights: vec![0.0; PAIRS * GROUP],
             part_k: vec![0.0; PAIRS * GROUP],
-            part_v: vec![0.0; PAIRS * r],
-            qa: vec![0.0; PAIRS * r],
+            part_v: vec![0.0; PAIRS * d.max(r)],
+            a_t: vec![0.0; PAIRS * d.max(r).max(GROUP)],
             kblk: vec![0.0; GROUP * d],
             vblk: vec![0.0; GROUP * d],
             halves: Vec::new(),
@@ -314,8 +250,10 @@ impl Scratch {
     }
 }
 
+/// Folds a block of dense rotated rows (`sc.kblk`, `sc.vblk`: `[rows][d]`) into the states of
+/// `pairs`.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-/// Folds a block of dense rotated rows (`kb`, `vb`: `[rows][d]`) into the states of `pairs`.
 fn fold_dense(
     ctx: &Queries,
     states: &mut [Softmax],
@@ -327,30 +265,56 @@ fn fold_dense(
     let d = ctx.d;
     let (visible, np) = ctx.visible_all(pairs.clone(), first, rows);
     let most = visible[..np].iter().copied().max().unwrap_or(0);
-    for t in 0..most {
-        let k = &sc.kblk[t * d..(t + 1) * d];
-        for (slot, p) in pairs.clone().enumerate() {
-            if t < visible[slot] {
-                sc.logits[slot * GROUP + t] = dot(ctx.query(p), k) * ctx.scale;
-            }
-        }
+    if most == 0 {
+        return;
     }
+    let queries = ctx.from_pair(pairs.start);
+    dots(
+        ctx.level,
+        np,
+        queries,
+        d,
+        &sc.kblk,
+        d,
+        d,
+        most,
+        &mut sc.logits,
+        GROUP,
+    );
     let mut live = [false; PAIRS];
     for (slot, p) in pairs.clone().enumerate() {
-        let (lg, w) = (
-            &sc.logits[slot * GROUP..(slot + 1) * GROUP],
-            &mut sc.weights[slot * GROUP..(slot + 1) * GROUP],
-        );
+        let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
+        for l in lg[..visible[slot]].iter_mut() {
+            *l *= ctx.scale;
+        }
+        let w = &mut sc.weights[slot * GROUP..(slot + 1) * GROUP];
         live[slot] = states[p].fold(lg, visible[slot], w);
     }
     for t in 0..most {
-        let v = &sc.vblk[t * d..(t + 1) * d];
-        for (slot, p) in pairs.clone().enumerate() {
-            if live[slot] && t < visible[slot] {
-                let w = sc.weights[slot * GROUP + t];
-                for (a, &vv) in states[p].acc.iter_mut().zip(v) {
-                    *a += w * vv;
-                }
+        for slot in 0..np {
+            sc.a_t[t * np + slot] = if live[slot] && t < visible[slot] {
+                sc.weights[slot * GROUP + t]
+            } else {
+                0.0
+            };
+        }
+    }
+    product(
+        ctx.level,
+        np,
+        &sc.a_t,
+        &sc.vblk,
+        d,
+        most,
+        d,
+        &mut sc.part_v,
+        d,
+    );
+    for (slot, p) in pairs.enumerate() {
+        if live[slot] {
+            let part = &sc.part_v[slot * d..(slot + 1) * d];
+            for (a, &x) in states[p].acc.iter_mut().zip(part) {
+                *a += x;
             }
         }
     }
@@ -379,28 +343,22 @@ fn fold_record(
         let mut offset = [0.0f32; PAIRS];
         for (slot, p) in pairs.clone().enumerate() {
             let q = &ctx.query(p)[half * r..(half + 1) * r];
-            let qa = &mut sc.qa[slot * r..(slot + 1) * r];
-            for ((o, &qc), (&a, &z)) in qa.iter_mut().zip(q).zip(hd.a_k.iter().zip(&hd.z_k)) {
-                *o = qc * a;
-                offset[slot] += qc * z;
+            for (c, (&qc, &a)) in q.iter().zip(&hd.a_k).enumerate() {
+                sc.a_t[c * np + slot] = qc * a;
             }
+            offset[slot] = dot(q, &hd.z_k);
         }
-        sc.part_k[..np * GROUP].fill(0.0);
-        for c in 0..r {
-            let u = &hd.k_units[c * GROUP..(c + 1) * GROUP];
-            for slot in 0..np {
-                if visible[slot] == 0 {
-                    continue;
-                }
-                let x = sc.qa[slot * r + c];
-                for (part, &uu) in sc.part_k[slot * GROUP..(slot + 1) * GROUP]
-                    .iter_mut()
-                    .zip(u)
-                {
-                    *part += x * uu;
-                }
-            }
-        }
+        product(
+            ctx.level,
+            np,
+            &sc.a_t,
+            &hd.k_units,
+            GROUP,
+            r,
+            GROUP,
+            &mut sc.part_k,
+            GROUP,
+        );
         for slot in 0..np {
             let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
             let part = &sc.part_k[slot * GROUP..(slot + 1) * GROUP];
@@ -418,38 +376,39 @@ fn fold_record(
         let w = &mut sc.weights[slot * GROUP..(slot + 1) * GROUP];
         live[slot] = states[p].fold(lg, visible[slot], w);
     }
+    let most = (0..np)
+        .filter(|&s| live[s])
+        .map(|s| visible[s])
+        .max()
+        .unwrap_or(0);
+    if most == 0 {
+        return;
+    }
     for (half, hd) in sc.halves.iter().enumerate() {
+        // a_t[t][slot] = w_t a_V[t] (0 past the slot's visible positions), offset = sum w_t z_V[t].
         let mut offset = [0.0f32; PAIRS];
         for slot in 0..np {
-            if !live[slot] {
-                continue;
+            let seen = if live[slot] { visible[slot] } else { 0 };
+            let w = &sc.weights[slot * GROUP..slot * GROUP + seen];
+            for (t, (&wt, &a)) in w.iter().zip(&hd.a_v).enumerate() {
+                sc.a_t[t * np + slot] = wt * a;
             }
-            // w_t a_V[t], in part_k (free once the logits are formed).
-            let w = &sc.weights[slot * GROUP..slot * GROUP + visible[slot]];
-            let wa = &mut sc.part_k[slot * GROUP..(slot + 1) * GROUP];
-            for (t, (&wt, (&a, &z))) in w.iter().zip(hd.a_v.iter().zip(&hd.z_v)).enumerate() {
-                wa[t] = wt * a;
-                offset[slot] += wt * z;
+            for t in seen..most {
+                sc.a_t[t * np + slot] = 0.0;
             }
+            offset[slot] = dot(w, &hd.z_v[..seen]);
         }
-        sc.part_v[..np * r].fill(0.0);
-        let most = (0..np)
-            .filter(|&s| live[s])
-            .map(|s| visible[s])
-            .max()
-            .unwrap_or(0);
-        for t in 0..most {
-            let u = &hd.v_units[t * r..(t + 1) * r];
-            for slot in 0..np {
-                if !live[slot] || t >= visible[slot] {
-                    continue;
-                }
-                let x = sc.part_k[slot * GROUP + t];
-                for (part, &uu) in sc.part_v[slot * r..(slot + 1) * r].iter_mut().zip(u) {
-                    *part += x * uu;
-                }
-            }
-        }
+        product(
+            ctx.level,
+            np,
+            &sc.a_t,
+            &hd.v_units,
+            r,
+            most,
+            r,
+            &mut sc.part_v,
+            r,
+        );
         for (slot, p) in pairs.clone().enumerate() {
             if !live[slot] {
                 continue;
@@ -461,34 +420,6 @@ fn fold_record(
             }
         }
     }
-}
-
-/// Dot product in a fixed order whatever the caller: 16 lane sums (one vector register), a
-/// fixed pairwise reduction, then the remainder. The same order for every query row keeps
-/// chunked prefill equal to token-by-token decoding bit for bit.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    let mut width = 8;
-    while width > 0 {
-        for l in 0..width {
-            lanes[l] += lanes[l + width];
-        }
-        width /= 2;
-    }
-    lanes[0] + tail
 }
 
 /// Attention of `n` query rows `q` (`[n][q_heads][head_dim]`, model frame, post-RoPE) over
@@ -558,14 +489,24 @@ fn attend_at(
     // scheduled. Small calls (decode) run every item in parallel and merge afterwards; large
     // ones (prefill, whose states are large) run one task per head over its chunks in order.
     let chunks = lj.len.div_ceil(CHUNK);
+    // Queries regrouped by KV head: `[kv_heads][n][gs][d]`, so a head's pairs are contiguous.
+    let mut by_head = vec![0.0f32; q_rot.len()];
+    for i in 0..n {
+        for h in 0..kvh {
+            let from = (i * qh + h * gs) * d;
+            let to = ((h * n + i) * gs) * d;
+            by_head[to..to + gs * d].copy_from_slice(&q_rot[from..from + gs * d]);
+        }
+    }
+    let head_len = n * gs * d;
     let ctx_of = |h: usize| Queries {
-        rotated: &q_rot,
+        rotated: &by_head[h * head_len..(h + 1) * head_len],
         gs,
-        qh,
         d,
         base,
         scale,
         kv_head: h,
+        level,
     };
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =

@@ -12,10 +12,12 @@ pub mod attention;
 pub mod config;
 #[doc(hidden)]
 pub mod faults;
+mod online_softmax;
 pub mod pool;
 pub mod sequence;
 pub mod snapshot;
 pub mod staging;
+mod tile_gemm;
 
 pub use config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
 pub use pool::RecordPool;

@@ -1,0 +1,405 @@
+//! The attention's one arithmetic kernel: a small matrix product `out = a · b` with at most
+//! [`MAX_ROWS`] rows of `a` (the query (row, head) pairs scored together), accumulated in
+//! registers over tiles of [`TILE`] output columns.
+//!
+//! Every output element is the sum of its products in ascending order of the inner index,
+//! starting from zero, with a separate multiply and add (never fused). The portable loops and
+//! the AVX-512 kernel do exactly that per element, so every SIMD level gives the same bits, and
+//! a row's result does not depend on which other rows share the call.
+
+use super::online_softmax::pairwise;
+use crate::simd::SimdLevel;
+
+/// Lanes of the fixed-order dot products: one 16-lane vector.
+const LANES: usize = 16;
+
+/// Most rows of `a` in one product.
+pub(crate) const MAX_ROWS: usize = 8;
+
+/// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
+const TILE: usize = 32;
+
+/// `out[s * ldo + j] = sum_{i < inner} a_t[i * rows + s] * b[i * ldb + j]` for `s < rows`,
+/// `j < cols`. `a_t` is `a` transposed (`[inner][rows]`), so that one step of the inner loop
+/// reads one contiguous group of `rows` values.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product(
+    level: SimdLevel,
+    rows: usize,
+    a_t: &[f32],
+    b: &[f32],
+    ldb: usize,
+    inner: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    assert!(
+        rows <= MAX_ROWS
+            && a_t.len() >= inner * rows
+            && (inner == 0 || b.len() >= (inner - 1) * ldb + cols)
+            && (rows == 0 || out.len() >= (rows - 1) * ldo + cols),
+        "product operands too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx512 {
+        // SAFETY: `Avx512` is only chosen after the CPU reported AVX-512F; the operand
+        // lengths were checked above, which is all the kernel's pointer reads and writes need.
+        unsafe {
+            match rows {
+                1 => avx512::product_rows::<1>(a_t, b, ldb, inner, cols, out, ldo),
+                2 => avx512::product_rows::<2>(a_t, b, ldb, inner, cols, out, ldo),
+                3 => avx512::product_rows::<3>(a_t, b, ldb, inner, cols, out, ldo),
+                4 => avx512::product_rows::<4>(a_t, b, ldb, inner, cols, out, ldo),
+                5 => avx512::product_rows::<5>(a_t, b, ldb, inner, cols, out, ldo),
+                6 => avx512::product_rows::<6>(a_t, b, ldb, inner, cols, out, ldo),
+                7 => avx512::product_rows::<7>(a_t, b, ldb, inner, cols, out, ldo),
+                _ => avx512::product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
+            }
+        }
+        return;
+    }
+    let _ = level;
+    match rows {
+        0 => {}
+        1 => product_rows::<1>(a_t, b, ldb, inner, cols, out, ldo),
+        2 => product_rows::<2>(a_t, b, ldb, inner, cols, out, ldo),
+        3 => product_rows::<3>(a_t, b, ldb, inner, cols, out, ldo),
+        4 => product_rows::<4>(a_t, b, ldb, inner, cols, out, ldo),
+        5 => product_rows::<5>(a_t, b, ldb, inner, cols, out, ldo),
+        6 => product_rows::<6>(a_t, b, ldb, inner, cols, out, ldo),
+        7 => product_rows::<7>(a_t, b, ldb, inner, cols, out, ldo),
+        8 => product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
+        _ => product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
+    }
+}
+
+#[inline(always)]
+fn product_rows<const M: usize>(
+    a_t: &[f32],
+    b: &[f32],
+    ldb: usize,
+    inner: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let a_t = &a_t[..inner * M];
+    let mut j0 = 0;
+    while j0 + TILE <= cols {
+        let mut acc = [[0.0f32; TILE]; M];
+        for (i, a) in a_t.chunks_exact(M).enumerate() {
+            let row: &[f32; TILE] = b[i * ldb + j0..i * ldb + j0 + TILE]
+                .try_into()
+                .expect("tile inside b");
+            for s in 0..M {
+                let x = a[s];
+                for l in 0..TILE {
+                    acc[s][l] += x * row[l];
+                }
+            }
+        }
+        for (s, tile) in acc.iter().enumerate() {
+            out[s * ldo + j0..s * ldo + j0 + TILE].copy_from_slice(tile);
+        }
+        j0 += TILE;
+    }
+    product_tail::<M>(a_t, b, ldb, inner, j0, cols, out, ldo);
+}
+
+/// Columns `j0..cols` of [`product_rows`], one at a time.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn product_tail<const M: usize>(
+    a_t: &[f32],
+    b: &[f32],
+    ldb: usize,
+    inner: usize,
+    j0: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let a_t = &a_t[..inner * M];
+    for j in j0..cols {
+        let mut acc = [0.0f32; M];
+        for (i, a) in a_t.chunks_exact(M).enumerate() {
+            let y = b[i * ldb + j];
+            for s in 0..M {
+                acc[s] += a[s] * y;
+            }
+        }
+        for (s, &x) in acc.iter().enumerate() {
+            out[s * ldo + j] = x;
+        }
+    }
+}
+
+/// `out[s * ldo + t] = dot(a[s * lda..][..len], b[t * ldb..][..len])` for `s < rows`,
+/// `t < cols`: scores of `rows` query rows against `cols` key rows stored row by row, each in
+/// [`dot`]'s order. `len` must be a multiple of 16.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dots(
+    level: SimdLevel,
+    rows: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    len: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    assert!(
+        rows <= MAX_ROWS
+            && len.is_multiple_of(LANES)
+            && (rows == 0 || a.len() >= (rows - 1) * lda + len)
+            && (cols == 0 || b.len() >= (cols - 1) * ldb + len)
+            && (rows == 0 || out.len() >= (rows - 1) * ldo + cols),
+        "dots operands too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx512 {
+        // SAFETY: `Avx512` is only chosen after the CPU reported AVX-512F; the operand
+        // lengths were checked above, which is all the kernel's pointer reads and writes need.
+        unsafe {
+            match rows {
+                1 => avx512::dots_rows::<1>(a, lda, b, ldb, len, cols, out, ldo),
+                2 => avx512::dots_rows::<2>(a, lda, b, ldb, len, cols, out, ldo),
+                3 => avx512::dots_rows::<3>(a, lda, b, ldb, len, cols, out, ldo),
+                4 => avx512::dots_rows::<4>(a, lda, b, ldb, len, cols, out, ldo),
+                5 => avx512::dots_rows::<5>(a, lda, b, ldb, len, cols, out, ldo),
+                6 => avx512::dots_rows::<6>(a, lda, b, ldb, len, cols, out, ldo),
+                7 => avx512::dots_rows::<7>(a, lda, b, ldb, len, cols, out, ldo),
+                _ => avx512::dots_rows::<8>(a, lda, b, ldb, len, cols, out, ldo),
+            }
+        }
+        return;
+    }
+    let _ = level;
+    for t in 0..cols {
+        let key = &b[t * ldb..t * ldb + len];
+        for s in 0..rows {
+            out[s * ldo + t] = dot(&a[s * lda..s * lda + len], key);
+        }
+    }
+}
+
+/// Dot product in a fixed order: 16 lane sums over ascending 16-element chunks, a pairwise
+/// reduction (lanes `l` and `l + 8`, then `l + 4`, `l + 2`, `l + 1`), then the remainder's
+/// ascending sum added last. Every caller and SIMD level uses this order.
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let mut tail = 0.0f32;
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        tail += x * y;
+    }
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    pairwise(&mut lanes) + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// [`super::product_rows`] with the tile's accumulators in registers: `2 * M` vectors of 16
+    /// columns, one multiply and one add per product, in the same order per element.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, and the operands must be as long as [`super::product`]
+    /// checks.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn product_rows<const M: usize>(
+        a_t: &[f32],
+        b: &[f32],
+        ldb: usize,
+        inner: usize,
+        cols: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let (ap, bp, op) = (a_t.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+        let mut j0 = 0;
+        while j0 + 32 <= cols {
+            let mut lo = [_mm512_setzero_ps(); M];
+            let mut hi = [_mm512_setzero_ps(); M];
+            for i in 0..inner {
+                // SAFETY (all pointer reads and writes here): `i < inner`, `j0 + 32 <= cols`
+                // and `s < M` keep every offset inside the lengths `product` checked.
+                let row = bp.add(i * ldb + j0);
+                let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
+                for s in 0..M {
+                    let x = _mm512_set1_ps(*ap.add(i * M + s));
+                    lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
+                    hi[s] = _mm512_add_ps(hi[s], _mm512_mul_ps(x, b1));
+                }
+            }
+            for s in 0..M {
+                _mm512_storeu_ps(op.add(s * ldo + j0), lo[s]);
+                _mm512_storeu_ps(op.add(s * ldo + j0 + 16), hi[s]);
+            }
+            j0 += 32;
+        }
+        while j0 + 16 <= cols {
+            let mut lo = [_mm512_setzero_ps(); M];
+            for i in 0..inner {
+                let b0 = _mm512_loadu_ps(bp.add(i * ldb + j0));
+                for s in 0..M {
+                    let x = _mm512_set1_ps(*ap.add(i * M + s));
+                    lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
+                }
+            }
+            for s in 0..M {
+                _mm512_storeu_ps(op.add(s * ldo + j0), lo[s]);
+            }
+            j0 += 16;
+        }
+        super::product_tail::<M>(a_t, b, ldb, inner, j0, cols, out, ldo);
+    }
+
+    /// [`super::dot`]'s order for `M` query rows at once: each 16-value chunk of a key row is
+    /// loaded once and multiplied with every query row.
+    ///
+    /// # Safety
+    /// As [`product_rows`], with the lengths [`super::dots`] checks.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dots_rows<const M: usize>(
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        len: usize,
+        cols: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let (ap, bp, op) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+        for t in 0..cols {
+            let mut acc = [_mm512_setzero_ps(); M];
+            let mut c = 0;
+            while c < len {
+                // SAFETY (all pointer reads and writes here): `t < cols`, `c + 16 <= len` and
+                // `s < M` keep every offset inside the lengths `dots` checked.
+                let key = _mm512_loadu_ps(bp.add(t * ldb + c));
+                for s in 0..M {
+                    let q = _mm512_loadu_ps(ap.add(s * lda + c));
+                    acc[s] = _mm512_add_ps(acc[s], _mm512_mul_ps(q, key));
+                }
+                c += 16;
+            }
+            for s in 0..M {
+                *op.add(s * ldo + t) = reduce(acc[s]);
+            }
+        }
+    }
+
+    /// The pairwise lane reduction of [`super::dot`] (the remainder is empty here).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn reduce(x: __m512) -> f32 {
+        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)));
+        let x8 = _mm256_add_ps(_mm512_castps512_ps256(x), high);
+        let x4 = _mm_add_ps(_mm256_castps256_ps128(x8), _mm256_extractf128_ps::<1>(x8));
+        let x2 = _mm_add_ps(x4, _mm_movehl_ps(x4, x4));
+        let x1 = _mm_add_ss(x2, _mm_shuffle_ps::<1>(x2, x2));
+        _mm_cvtss_f32(x1) + 0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+    use crate::simd::detected_level;
+
+    /// Each element equals the plain ascending sum, whatever the row count, column tail or
+    /// SIMD level.
+    #[test]
+    fn product_is_the_ascending_sum() {
+        let mut rng = SplitMix64::new(3);
+        for level in [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512] {
+            if level > detected_level() {
+                continue;
+            }
+            check_level(level, &mut rng);
+        }
+    }
+
+    /// `dots` equals `dot` row by row at every level.
+    #[test]
+    fn dots_follow_dot() {
+        let mut rng = SplitMix64::new(4);
+        for level in [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512] {
+            if level > detected_level() {
+                continue;
+            }
+            for rows in 1..=MAX_ROWS {
+                for (len, cols) in [(16usize, 1usize), (64, 37), (256, 128)] {
+                    let a = rng.gaussians(rows * (len + 5));
+                    let b = rng.gaussians(cols * (len + 2));
+                    let mut out = vec![f32::NAN; rows * (cols + 1)];
+                    dots(
+                        level,
+                        rows,
+                        &a,
+                        len + 5,
+                        &b,
+                        len + 2,
+                        len,
+                        cols,
+                        &mut out,
+                        cols + 1,
+                    );
+                    for s in 0..rows {
+                        for t in 0..cols {
+                            let want = dot(&a[s * (len + 5)..][..len], &b[t * (len + 2)..][..len]);
+                            let got = out[s * (cols + 1) + t];
+                            assert_eq!(want.to_bits(), got.to_bits(), "{level:?} {rows}x{len}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_level(level: SimdLevel, rng: &mut SplitMix64) {
+        for rows in 1..=MAX_ROWS {
+            for (inner, cols) in [(1usize, 32usize), (37, 128), (128, 64), (5, 45)] {
+                let a_t = rng.gaussians(inner * rows);
+                let b = rng.gaussians(inner * (cols + 3));
+                let mut out = vec![f32::NAN; rows * (cols + 1)];
+                product(
+                    level,
+                    rows,
+                    &a_t,
+                    &b,
+                    cols + 3,
+                    inner,
+                    cols,
+                    &mut out,
+                    cols + 1,
+                );
+                for s in 0..rows {
+                    for j in 0..cols {
+                        let mut want = 0.0f32;
+                        for i in 0..inner {
+                            want += a_t[i * rows + s] * b[i * (cols + 3) + j];
+                        }
+                        let got = out[s * (cols + 1) + j];
+                        assert_eq!(want.to_bits(), got.to_bits(), "{level:?} {rows}x{cols}");
+                    }
+                }
+            }
+        }
+    }
+}
