@@ -187,7 +187,7 @@ struct Queries<'a> {
 
 impl Queries<'_> {
     /// The rotated queries of pairs `p..`, `d` apart.
-    fn from_pair(&self, p: usize) -> &[f32] {
+    fn rows_from(&self, p: usize) -> &[f32] {
         &self.rotated[p * self.d..]
     }
 
@@ -268,7 +268,7 @@ fn fold_dense(
     if most == 0 {
         return;
     }
-    let queries = ctx.from_pair(pairs.start);
+    let queries = ctx.rows_from(pairs.start);
     dots(
         ctx.level,
         np,

@@ -1,11 +1,15 @@
-//! The attention's one arithmetic kernel: a small matrix product `out = a · b` with at most
-//! [`MAX_ROWS`] rows of `a` (the query (row, head) pairs scored together), accumulated in
-//! registers over tiles of [`TILE`] output columns.
+//! The attention's arithmetic kernels, for at most [`MAX_ROWS`] query (row, head) pairs scored
+//! together: [`product`], a small matrix product accumulated in registers over tiles of
+//! [`TILE`] output columns (body records, value sums), and [`dots`], query rows against key
+//! rows stored row by row (sink and ring).
 //!
-//! Every output element is the sum of its products in ascending order of the inner index,
-//! starting from zero, with a separate multiply and add (never fused). The portable loops and
-//! the AVX-512 kernel do exactly that per element, so every SIMD level gives the same bits, and
-//! a row's result does not depend on which other rows share the call.
+//! Each output element has one fixed summation order (ascending for `product`, 16 lanes then
+//! a pairwise reduction for `dots`), with separate multiplies and adds (never fused). The
+//! portable loops and the AVX-512 kernels follow it exactly, so every SIMD level gives the
+//! same bits, and a row's result does not depend on which other rows share the call.
+
+// The kernels index several per-row arrays in step; index loops say that more plainly.
+#![allow(clippy::needless_range_loop)]
 
 use super::online_softmax::pairwise;
 use crate::simd::SimdLevel;
