@@ -62,11 +62,13 @@ pub struct DecodedHalf {
     pub a_k: Vec<f32>,
     pub z_k: Vec<f32>,
     pub s_k: Vec<f32>,
-    /// `[G][R]`, token-major.
+    /// `[G][R]`, token-major; `[R][G]`, channel-major, when `v_by_channel` is set.
     pub v_units: Vec<f32>,
     pub a_v: Vec<f32>,
     pub z_v: Vec<f32>,
     pub s_v: Vec<f32>,
+    /// Value units stored channel-major (trellis runs, read without a transpose).
+    pub v_by_channel: bool,
 }
 
 impl DecodedHalf {
@@ -81,6 +83,7 @@ impl DecodedHalf {
             a_v: Vec::new(),
             z_v: Vec::new(),
             s_v: Vec::new(),
+            v_by_channel: false,
         }
     }
 }
@@ -293,6 +296,7 @@ impl BodySpec {
             a_v: read_f32s(m, GROUP),
             z_v: read_f32s(&m[2 * GROUP..], GROUP),
             s_v: read_f32s(&m[4 * GROUP..], r),
+            v_by_channel: false,
         })
     }
 

@@ -227,8 +227,8 @@ struct Scratch {
     part_k: Vec<f32>,
     /// `[PAIRS][d]` value partial sums.
     part_v: Vec<f32>,
-    /// `[inner][pairs]`: the left operand of a product, transposed.
-    a_t: Vec<f32>,
+    /// `[PAIRS][inner]`: the left operand of a product (per-pair query or weight rows).
+    a_rows: Vec<f32>,
     /// `[GROUP][d]` dense rows of a sink or ring block.
     kblk: Vec<f32>,
     vblk: Vec<f32>,
@@ -242,7 +242,7 @@ impl Scratch {
             weights: vec![0.0; PAIRS * GROUP],
             part_k: vec![0.0; PAIRS * GROUP],
             part_v: vec![0.0; PAIRS * d.max(r)],
-            a_t: vec![0.0; PAIRS * d.max(r).max(GROUP)],
+            a_rows: vec![0.0; PAIRS * d.max(r).max(GROUP)],
             kblk: vec![0.0; GROUP * d],
             vblk: vec![0.0; GROUP * d],
             halves: Vec::new(),
@@ -290,19 +290,16 @@ fn fold_dense(
         let w = &mut sc.weights[slot * GROUP..(slot + 1) * GROUP];
         live[slot] = states[p].fold(lg, visible[slot], w);
     }
-    for t in 0..most {
-        for slot in 0..np {
-            sc.a_t[t * np + slot] = if live[slot] && t < visible[slot] {
-                sc.weights[slot * GROUP + t]
-            } else {
-                0.0
-            };
-        }
+    // Weights past a pair's visible positions (all of them for a dead pair) are zero.
+    for slot in 0..np {
+        let seen = if live[slot] { visible[slot] } else { 0 };
+        sc.weights[slot * GROUP + seen..slot * GROUP + most].fill(0.0);
     }
     product(
         ctx.level,
         np,
-        &sc.a_t,
+        &sc.weights,
+        GROUP,
         &sc.vblk,
         d,
         most,
@@ -343,15 +340,17 @@ fn fold_record(
         let mut offset = [0.0f32; PAIRS];
         for (slot, p) in pairs.clone().enumerate() {
             let q = &ctx.query(p)[half * r..(half + 1) * r];
-            for (c, (&qc, &a)) in q.iter().zip(&hd.a_k).enumerate() {
-                sc.a_t[c * np + slot] = qc * a;
+            let qa = &mut sc.a_rows[slot * r..(slot + 1) * r];
+            for ((o, &qc), &a) in qa.iter_mut().zip(q).zip(&hd.a_k) {
+                *o = qc * a;
             }
             offset[slot] = dot(q, &hd.z_k);
         }
         product(
             ctx.level,
             np,
-            &sc.a_t,
+            &sc.a_rows,
+            r,
             &hd.k_units,
             GROUP,
             r,
@@ -385,30 +384,31 @@ fn fold_record(
         return;
     }
     for (half, hd) in sc.halves.iter().enumerate() {
-        // a_t[t][slot] = w_t a_V[t] (0 past the slot's visible positions), offset = sum w_t z_V[t].
+        // Rows w_t a_V[t] (0 past the pair's visible positions), offsets sum_t w_t z_V[t].
+        // Channel-major units are scored as dot products over tokens, in 16-token steps.
+        let inner = if hd.v_by_channel {
+            most.next_multiple_of(16)
+        } else {
+            most
+        };
         let mut offset = [0.0f32; PAIRS];
         for slot in 0..np {
             let seen = if live[slot] { visible[slot] } else { 0 };
             let w = &sc.weights[slot * GROUP..slot * GROUP + seen];
-            for (t, (&wt, &a)) in w.iter().zip(&hd.a_v).enumerate() {
-                sc.a_t[t * np + slot] = wt * a;
+            let wa = &mut sc.a_rows[slot * GROUP..slot * GROUP + inner];
+            for ((o, &wt), &a) in wa.iter_mut().zip(w).zip(&hd.a_v) {
+                *o = wt * a;
             }
-            for t in seen..most {
-                sc.a_t[t * np + slot] = 0.0;
-            }
+            wa[seen..].fill(0.0);
             offset[slot] = dot(w, &hd.z_v[..seen]);
         }
-        product(
-            ctx.level,
-            np,
-            &sc.a_t,
-            &hd.v_units,
-            r,
-            most,
-            r,
-            &mut sc.part_v,
-            r,
-        );
+        if hd.v_by_channel {
+            let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
+            dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
+        } else {
+            let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
+            product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);
+        }
         for (slot, p) in pairs.clone().enumerate() {
             if !live[slot] {
                 continue;

@@ -23,15 +23,15 @@ pub(crate) const MAX_ROWS: usize = 8;
 /// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
 const TILE: usize = 32;
 
-/// `out[s * ldo + j] = sum_{i < inner} a_t[i * rows + s] * b[i * ldb + j]` for `s < rows`,
-/// `j < cols`. `a_t` is `a` transposed (`[inner][rows]`), so that one step of the inner loop
-/// reads one contiguous group of `rows` values.
+/// `out[s * ldo + j] = sum_{i < inner} a[s * lda + i] * b[i * ldb + j]` for `s < rows`,
+/// `j < cols`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product(
     level: SimdLevel,
     rows: usize,
-    a_t: &[f32],
+    a: &[f32],
+    lda: usize,
     b: &[f32],
     ldb: usize,
     inner: usize,
@@ -41,7 +41,7 @@ pub(crate) fn product(
 ) {
     assert!(
         rows <= MAX_ROWS
-            && a_t.len() >= inner * rows
+            && (rows == 0 || inner == 0 || a.len() >= (rows - 1) * lda + inner)
             && (inner == 0 || b.len() >= (inner - 1) * ldb + cols)
             && (rows == 0 || out.len() >= (rows - 1) * ldo + cols),
         "product operands too short"
@@ -52,14 +52,14 @@ pub(crate) fn product(
         // lengths were checked above, which is all the kernel's pointer reads and writes need.
         unsafe {
             match rows {
-                1 => avx512::product_rows::<1>(a_t, b, ldb, inner, cols, out, ldo),
-                2 => avx512::product_rows::<2>(a_t, b, ldb, inner, cols, out, ldo),
-                3 => avx512::product_rows::<3>(a_t, b, ldb, inner, cols, out, ldo),
-                4 => avx512::product_rows::<4>(a_t, b, ldb, inner, cols, out, ldo),
-                5 => avx512::product_rows::<5>(a_t, b, ldb, inner, cols, out, ldo),
-                6 => avx512::product_rows::<6>(a_t, b, ldb, inner, cols, out, ldo),
-                7 => avx512::product_rows::<7>(a_t, b, ldb, inner, cols, out, ldo),
-                _ => avx512::product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
+                1 => avx512::product_rows::<1>(a, lda, b, ldb, inner, cols, out, ldo),
+                2 => avx512::product_rows::<2>(a, lda, b, ldb, inner, cols, out, ldo),
+                3 => avx512::product_rows::<3>(a, lda, b, ldb, inner, cols, out, ldo),
+                4 => avx512::product_rows::<4>(a, lda, b, ldb, inner, cols, out, ldo),
+                5 => avx512::product_rows::<5>(a, lda, b, ldb, inner, cols, out, ldo),
+                6 => avx512::product_rows::<6>(a, lda, b, ldb, inner, cols, out, ldo),
+                7 => avx512::product_rows::<7>(a, lda, b, ldb, inner, cols, out, ldo),
+                _ => avx512::product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
             }
         }
         return;
@@ -67,21 +67,22 @@ pub(crate) fn product(
     let _ = level;
     match rows {
         0 => {}
-        1 => product_rows::<1>(a_t, b, ldb, inner, cols, out, ldo),
-        2 => product_rows::<2>(a_t, b, ldb, inner, cols, out, ldo),
-        3 => product_rows::<3>(a_t, b, ldb, inner, cols, out, ldo),
-        4 => product_rows::<4>(a_t, b, ldb, inner, cols, out, ldo),
-        5 => product_rows::<5>(a_t, b, ldb, inner, cols, out, ldo),
-        6 => product_rows::<6>(a_t, b, ldb, inner, cols, out, ldo),
-        7 => product_rows::<7>(a_t, b, ldb, inner, cols, out, ldo),
-        8 => product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
-        _ => product_rows::<8>(a_t, b, ldb, inner, cols, out, ldo),
+        1 => product_rows::<1>(a, lda, b, ldb, inner, cols, out, ldo),
+        2 => product_rows::<2>(a, lda, b, ldb, inner, cols, out, ldo),
+        3 => product_rows::<3>(a, lda, b, ldb, inner, cols, out, ldo),
+        4 => product_rows::<4>(a, lda, b, ldb, inner, cols, out, ldo),
+        5 => product_rows::<5>(a, lda, b, ldb, inner, cols, out, ldo),
+        6 => product_rows::<6>(a, lda, b, ldb, inner, cols, out, ldo),
+        7 => product_rows::<7>(a, lda, b, ldb, inner, cols, out, ldo),
+        8 => product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
+        _ => product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
     }
 }
 
 #[inline(always)]
 fn product_rows<const M: usize>(
-    a_t: &[f32],
+    a: &[f32],
+    lda: usize,
     b: &[f32],
     ldb: usize,
     inner: usize,
@@ -89,16 +90,15 @@ fn product_rows<const M: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
-    let a_t = &a_t[..inner * M];
     let mut j0 = 0;
     while j0 + TILE <= cols {
         let mut acc = [[0.0f32; TILE]; M];
-        for (i, a) in a_t.chunks_exact(M).enumerate() {
+        for i in 0..inner {
             let row: &[f32; TILE] = b[i * ldb + j0..i * ldb + j0 + TILE]
                 .try_into()
                 .expect("tile inside b");
             for s in 0..M {
-                let x = a[s];
+                let x = a[s * lda + i];
                 for l in 0..TILE {
                     acc[s][l] += x * row[l];
                 }
@@ -109,14 +109,15 @@ fn product_rows<const M: usize>(
         }
         j0 += TILE;
     }
-    product_tail::<M>(a_t, b, ldb, inner, j0, cols, out, ldo);
+    product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo);
 }
 
 /// Columns `j0..cols` of [`product_rows`], one at a time.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn product_tail<const M: usize>(
-    a_t: &[f32],
+    a: &[f32],
+    lda: usize,
     b: &[f32],
     ldb: usize,
     inner: usize,
@@ -125,13 +126,12 @@ fn product_tail<const M: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
-    let a_t = &a_t[..inner * M];
     for j in j0..cols {
         let mut acc = [0.0f32; M];
-        for (i, a) in a_t.chunks_exact(M).enumerate() {
+        for i in 0..inner {
             let y = b[i * ldb + j];
             for s in 0..M {
-                acc[s] += a[s] * y;
+                acc[s] += a[s * lda + i] * y;
             }
         }
         for (s, &x) in acc.iter().enumerate() {
@@ -223,7 +223,8 @@ mod avx512 {
     /// checks.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn product_rows<const M: usize>(
-        a_t: &[f32],
+        a: &[f32],
+        lda: usize,
         b: &[f32],
         ldb: usize,
         inner: usize,
@@ -231,7 +232,7 @@ mod avx512 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        let (ap, bp, op) = (a_t.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+        let (ap, bp, op) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
         let mut j0 = 0;
         while j0 + 32 <= cols {
             let mut lo = [_mm512_setzero_ps(); M];
@@ -242,7 +243,7 @@ mod avx512 {
                 let row = bp.add(i * ldb + j0);
                 let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
                 for s in 0..M {
-                    let x = _mm512_set1_ps(*ap.add(i * M + s));
+                    let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
                     hi[s] = _mm512_add_ps(hi[s], _mm512_mul_ps(x, b1));
                 }
@@ -258,7 +259,7 @@ mod avx512 {
             for i in 0..inner {
                 let b0 = _mm512_loadu_ps(bp.add(i * ldb + j0));
                 for s in 0..M {
-                    let x = _mm512_set1_ps(*ap.add(i * M + s));
+                    let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
                 }
             }
@@ -267,7 +268,7 @@ mod avx512 {
             }
             j0 += 16;
         }
-        super::product_tail::<M>(a_t, b, ldb, inner, j0, cols, out, ldo);
+        super::product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo);
     }
 
     /// [`super::dot`]'s order for `M` query rows at once: each 16-value chunk of a key row is
@@ -379,13 +380,15 @@ mod tests {
     fn check_level(level: SimdLevel, rng: &mut SplitMix64) {
         for rows in 1..=MAX_ROWS {
             for (inner, cols) in [(1usize, 32usize), (37, 128), (128, 64), (5, 45)] {
-                let a_t = rng.gaussians(inner * rows);
+                let lda = inner + 7;
+                let a = rng.gaussians(rows * lda);
                 let b = rng.gaussians(inner * (cols + 3));
                 let mut out = vec![f32::NAN; rows * (cols + 1)];
                 product(
                     level,
                     rows,
-                    &a_t,
+                    &a,
+                    lda,
                     &b,
                     cols + 3,
                     inner,
@@ -397,7 +400,7 @@ mod tests {
                     for j in 0..cols {
                         let mut want = 0.0f32;
                         for i in 0..inner {
-                            want += a_t[i * rows + s] * b[i * (cols + 3) + j];
+                            want += a[s * lda + i] * b[i * (cols + 3) + j];
                         }
                         let got = out[s * (cols + 1) + j];
                         assert_eq!(want.to_bits(), got.to_bits(), "{level:?} {rows}x{cols}");

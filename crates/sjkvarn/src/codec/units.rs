@@ -9,14 +9,34 @@
 //! linearly, and trellis runs read their windows run by run. The tests check it against
 //! `Decoder::q` code for code.
 
-use super::fp16::f16_to_f32;
 use super::layout::{unpack, Body, RecordLayout};
 use super::trellis::{codebook_f32, window};
 use crate::body::DecodedHalf;
 use crate::error::{CodecError, Result};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// Side of a fragment tile, in tokens and channels.
 const TILE: usize = 16;
+
+/// `out[i] = fp16 at byte offset at(i) of rec`, for `i < n`: gathered into `halves`, then
+/// converted in one slice call (F16C where the CPU has it; the conversion is exact either way).
+#[inline(always)]
+fn scale_field(
+    rec: &[u8],
+    halves: &mut Vec<f16>,
+    out: &mut Vec<f32>,
+    n: usize,
+    at: impl Fn(usize) -> usize,
+) {
+    halves.clear();
+    halves.extend((0..n).map(|i| {
+        let off = at(i);
+        f16::from_bits(u16::from_le_bytes([rec[off], rec[off + 1]]))
+    }));
+    out.resize(n, 0.0);
+    halves.convert_to_f32_slice(out);
+}
 
 /// Reads reference records of one layout; tables are built once.
 #[derive(Debug, Clone)]
@@ -28,8 +48,8 @@ pub struct UnitReader {
     v_slot: Vec<usize>,
     /// Token-major codes of one side before the K transpose.
     scratch: Vec<u8>,
-    /// One trellis run's values.
-    run: Vec<f32>,
+    /// One scale field's fp16 values, gathered.
+    halves: Vec<f16>,
 }
 
 impl UnitReader {
@@ -49,7 +69,7 @@ impl UnitReader {
             k_slot: (0..d).map(|c| layout.k_channel_slot(c)).collect(),
             v_slot: (0..d).map(|c| layout.v_channel_slot(c)).collect(),
             scratch: vec![0u8; d * layout.group],
-            run: vec![0f32; layout.group],
+            halves: Vec::with_capacity(d.max(layout.group)),
         }
     }
 
@@ -75,17 +95,14 @@ impl UnitReader {
         }
         self.read_side(rec, false, &mut out.k_units);
         self.read_side(rec, true, &mut out.v_units);
-        let half = |off: usize| f16_to_f32(u16::from_le_bytes([rec[off], rec[off + 1]]));
-        let fill = |v: &mut Vec<f32>, n: usize, at: &dyn Fn(usize) -> usize| {
-            v.clear();
-            v.extend((0..n).map(|i| half(at(i))));
-        };
-        fill(&mut out.a_k, d, &|c| l.k_scale + 2 * self.k_slot[c]);
-        fill(&mut out.z_k, d, &|c| l.k_zero + 2 * self.k_slot[c]);
-        fill(&mut out.s_k, g, &|t| l.k_tok + 2 * t);
-        fill(&mut out.a_v, g, &|t| l.v_scale + 2 * t);
-        fill(&mut out.z_v, g, &|t| l.v_zero + 2 * t);
-        fill(&mut out.s_v, d, &|c| l.v_ch + 2 * self.v_slot[c]);
+        out.v_by_channel = l.body == Body::Trellis;
+        let (k_slot, v_slot, halves) = (&self.k_slot, &self.v_slot, &mut self.halves);
+        scale_field(rec, halves, &mut out.a_k, d, |c| l.k_scale + 2 * k_slot[c]);
+        scale_field(rec, halves, &mut out.z_k, d, |c| l.k_zero + 2 * k_slot[c]);
+        scale_field(rec, halves, &mut out.s_k, g, |t| l.k_tok + 2 * t);
+        scale_field(rec, halves, &mut out.a_v, g, |t| l.v_scale + 2 * t);
+        scale_field(rec, halves, &mut out.z_v, g, |t| l.v_zero + 2 * t);
+        scale_field(rec, halves, &mut out.s_v, d, |c| l.v_ch + 2 * v_slot[c]);
         Ok(())
     }
 
@@ -99,18 +116,19 @@ impl UnitReader {
         let at = |t: usize, c: usize| if is_v { t * d + c } else { c * g + t };
         if l.body == Body::Trellis {
             // Channel-major runs of `g` codes; each code's value is its window's codebook entry.
+            // Both sides stay channel-major (`v_by_channel`): no transpose.
             let cb = &self.codebooks[is_v as usize];
             let start = if is_v { l.v_payload } else { l.k_payload };
-            let run = &mut self.run[..g];
             for c in 0..d {
-                trellis_run(rec, start, payload.len(), bits, c, cb, run);
-                if is_v {
-                    for (t, &x) in run.iter().enumerate() {
-                        out[t * d + c] = x;
-                    }
-                } else {
-                    out[c * g..(c + 1) * g].copy_from_slice(run);
-                }
+                trellis_run(
+                    rec,
+                    start,
+                    payload.len(),
+                    bits,
+                    c,
+                    cb,
+                    &mut out[c * g..(c + 1) * g],
+                );
             }
         } else if l.fragment_order(is_v) {
             // Keys' rows are channels (`G` apart), values' rows are tokens (`D` apart).
@@ -160,11 +178,12 @@ fn trellis_run(
         *o = cb[window(payload, bits, c, t, g)];
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx512() && start + len + 4 <= rec.len() && g.is_multiple_of(16) {
-        // SAFETY: the CPU reported AVX-512; every gathered 4-byte read starts inside the
-        // payload and ends at most 3 bytes past it, inside `rec` (checked above); codebook
-        // indices are masked to `6 + bits` bits and the codebook has `1 << (6 + bits)` entries.
-        unsafe { trellis_tail_avx512(rec, start, bits, c, cb, out) };
+    if crate::simd::avx512() && g.is_multiple_of(16) && bits <= 3 {
+        // SAFETY: the CPU reported AVX-512 (and 16 windows of <= 3-bit codes fit one 8-byte
+        // read); the kernel reads 8 bytes at a time only where they
+        // end inside `rec`, and masks codebook indices to `6 + bits` bits (the codebook has
+        // `1 << (6 + bits)` entries).
+        unsafe { trellis_tail_avx512(rec, start, len, bits, c, cb, out) };
         return;
     }
     for (t, o) in out.iter_mut().enumerate().skip(head) {
@@ -177,6 +196,7 @@ fn trellis_run(
 unsafe fn trellis_tail_avx512(
     rec: &[u8],
     start: usize,
+    len: usize,
     bits: u32,
     c: usize,
     cb: &[f32],
@@ -186,19 +206,35 @@ unsafe fn trellis_tail_avx512(
     use std::arch::x86_64::*;
     debug_assert_eq!(cb.len(), 1 << (HISTORY_BITS + bits));
     let g = out.len();
-    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let mask = _mm512_set1_epi32((1 << (HISTORY_BITS + bits)) - 1);
     let base = rec.as_ptr().add(start);
+    let steps = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    let bits64 = _mm512_set1_epi64(bits as i64);
     for t0 in (16..g).step_by(16) {
-        // Bit where each window starts: (c * g + t) * bits - HISTORY_BITS.
-        let first = ((c * g + t0) * bits as usize - HISTORY_BITS as usize) as i32;
-        let bit = _mm512_add_epi32(
-            _mm512_set1_epi32(first),
-            _mm512_mullo_epi32(lanes, _mm512_set1_epi32(bits as i32)),
+        // The 16 windows of codes t0..t0+16 span 16 bits + 6 <= 54 bits starting at
+        // `first = (c * g + t0) * bits - HISTORY_BITS`: one unaligned 8-byte read holds them
+        // all (<= 7 + 54 bits). Window j starts `j * bits` bits after `first`.
+        let first = (c * g + t0) * bits as usize - HISTORY_BITS as usize;
+        if start + first / 8 + 8 > rec.len() {
+            // The record's last bytes: one window at a time.
+            let payload = &rec[start..start + len];
+            for (t, o) in out.iter_mut().enumerate().skip(t0).take(16) {
+                *o = cb[window(payload, bits, c, t, g)];
+            }
+            continue;
+        }
+        let word = (base.add(first / 8) as *const u64).read_unaligned();
+        let word = _mm512_set1_epi64((word >> (first % 8)) as i64);
+        let lo = _mm512_srlv_epi64(word, _mm512_mullo_epi64(steps, bits64));
+        let hi = _mm512_srlv_epi64(
+            word,
+            _mm512_mullo_epi64(_mm512_add_epi64(steps, _mm512_set1_epi64(8)), bits64),
         );
-        let words = _mm512_i32gather_epi32::<1>(_mm512_srli_epi32::<3>(bit), base as *const i32);
-        let shift = _mm512_and_si512(bit, _mm512_set1_epi32(7));
-        let idx = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
+        let idx = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)),
+            _mm512_cvtepi64_epi32(hi),
+        );
+        let idx = _mm512_and_si512(idx, mask);
         let v = _mm512_i32gather_ps::<4>(idx, cb.as_ptr());
         _mm512_storeu_ps(out.as_mut_ptr().add(t0), v);
     }
@@ -352,7 +388,12 @@ mod tests {
                     for t in 0..128 {
                         let (kq, vq) = (dec.q(&rec, t, c, false), dec.q(&rec, t, c, true));
                         assert_eq!(got.k_units[c * 128 + t].to_bits(), kq.to_bits());
-                        assert_eq!(got.v_units[t * d + c].to_bits(), vq.to_bits());
+                        let v_at = if got.v_by_channel {
+                            c * 128 + t
+                        } else {
+                            t * d + c
+                        };
+                        assert_eq!(got.v_units[v_at].to_bits(), vq.to_bits());
                     }
                 }
                 let want = super::super::body_codec::reference_half(&layout, &rec).unwrap();
