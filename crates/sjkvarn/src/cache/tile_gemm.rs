@@ -80,6 +80,7 @@ pub(crate) fn product(
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn product_rows<const M: usize>(
     a: &[f32],
     lda: usize,
@@ -222,6 +223,7 @@ mod avx512 {
     /// The CPU must have AVX-512F, and the operands must be as long as [`super::product`]
     /// checks.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn product_rows<const M: usize>(
         a: &[f32],
         lda: usize,
