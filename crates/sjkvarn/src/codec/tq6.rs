@@ -97,6 +97,13 @@ fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
     let t = tables(n);
     let norm = f16_to_f32(u16::from_le_bytes([block[0], block[1]]));
     let (qs, qh) = (2, 2 + n / 2);
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx512() && block.len() >= qh + n / 4 && out.len() >= n {
+        // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the block holds its `qs` and `qh`
+        // fields (checked above) and `out` its `n` values.
+        unsafe { unpack_lookup_avx512(&t.centroids, &block[qs..], &block[qh..], n, norm, out) };
+        return;
+    }
     // The 6-bit codes, four per step: two `qs` bytes (low nibbles), one `qh` byte (high pairs).
     let mut codes = [0u8; BLOCK_VALUES];
     for (i, c) in codes[..n].chunks_exact_mut(4).enumerate() {
@@ -146,6 +153,51 @@ unsafe fn lookup_avx512(centroids: &[f32; 64], codes: &[u8], norm: f32, out: &mu
         let high = _mm512_permutex2var_ps(t2, idx, t3);
         let v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, bit5), low, high);
         _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(v, scale));
+    }
+}
+
+/// Codes unpacked and looked up 16 at a time: value `j` of a step takes nibble `j % 2` of
+/// `qs` byte `j / 2` and bit pair `j % 4` of `qh` byte `j / 4` (the portable loop's layout),
+/// then the same lookup and one multiply as [`lookup_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+unsafe fn unpack_lookup_avx512(
+    centroids: &[f32; 64],
+    qs: &[u8],
+    qh: &[u8],
+    n: usize,
+    norm: f32,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let c = centroids.as_ptr();
+    // SAFETY (this block and the loop): `centroids` has 64 values; step `i < n / 16` reads
+    // `qs[8i..8i + 8]` and `qh[4i..4i + 4]` (inside the fields, as the caller checked) and
+    // writes `out[16i..16i + 16]`.
+    let (t0, t1, t2, t3) = (
+        _mm512_loadu_ps(c),
+        _mm512_loadu_ps(c.add(16)),
+        _mm512_loadu_ps(c.add(32)),
+        _mm512_loadu_ps(c.add(48)),
+    );
+    let (scale, bit5) = (_mm512_set1_ps(norm), _mm512_set1_epi32(32));
+    let lo_pick = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let lo_shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    let hi_pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let hi_shift = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    let (nibble, pair) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3));
+    for i in 0..n / 16 {
+        let lo8 = _mm_loadl_epi64(qs.as_ptr().add(8 * i) as *const __m128i);
+        let hi4 = _mm_cvtsi32_si128((qh.as_ptr().add(4 * i) as *const i32).read_unaligned());
+        let lo = _mm512_permutexvar_epi32(lo_pick, _mm512_cvtepu8_epi32(lo8));
+        let hi = _mm512_permutexvar_epi32(hi_pick, _mm512_cvtepu8_epi32(hi4));
+        let lo = _mm512_and_si512(_mm512_srlv_epi32(lo, lo_shift), nibble);
+        let hi = _mm512_and_si512(_mm512_srlv_epi32(hi, hi_shift), pair);
+        let idx = _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi));
+        let low = _mm512_permutex2var_ps(t0, idx, t1);
+        let high = _mm512_permutex2var_ps(t2, idx, t3);
+        let v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, bit5), low, high);
+        _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(v, scale));
     }
 }
 
