@@ -514,8 +514,15 @@ fn attend_at(
             let items: Vec<(usize, usize)> = (0..kvh)
                 .flat_map(|h| (0..chunks).map(move |c| (h, c)))
                 .collect();
+            // About two pieces per thread: each piece builds its scratch and reader once
+            // (finer splits cost more in set-up than they balance on short calls).
+            let piece = items
+                .len()
+                .div_ceil(2 * rayon::current_num_threads())
+                .max(1);
             let parts: Vec<CacheResult<Vec<Softmax>>> = items
                 .par_iter()
+                .with_min_len(piece)
                 .map_init(
                     || (Scratch::new(d, r), codec.half_reader()),
                     |(sc, reader), &(h, c)| {
