@@ -23,6 +23,24 @@ pub(crate) const MAX_ROWS: usize = 8;
 /// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
 const TILE: usize = 32;
 
+/// Calls `$kernel::<M>($args)` with `M` the run-time row count (1 to [`MAX_ROWS`]; more
+/// are refused by the callers' checks), so each row count gets its own register-resident code.
+macro_rules! for_rows {
+    ($rows:expr, $($kernel:ident)::+, $($arg:expr),*) => {
+        match $rows {
+            0 => {}
+            1 => $($kernel)::+::<1>($($arg),*),
+            2 => $($kernel)::+::<2>($($arg),*),
+            3 => $($kernel)::+::<3>($($arg),*),
+            4 => $($kernel)::+::<4>($($arg),*),
+            5 => $($kernel)::+::<5>($($arg),*),
+            6 => $($kernel)::+::<6>($($arg),*),
+            7 => $($kernel)::+::<7>($($arg),*),
+            _ => $($kernel)::+::<8>($($arg),*),
+        }
+    };
+}
+
 /// `out[s * ldo + j] = sum_{i < inner} a[s * lda + i] * b[i * ldb + j]` for `s < rows`,
 /// `j < cols`.
 #[inline(always)]
@@ -51,32 +69,23 @@ pub(crate) fn product(
         // SAFETY: `Avx512` is only chosen after the CPU reported AVX-512F; the operand
         // lengths were checked above, which is all the kernel's pointer reads and writes need.
         unsafe {
-            match rows {
-                1 => avx512::product_rows::<1>(a, lda, b, ldb, inner, cols, out, ldo),
-                2 => avx512::product_rows::<2>(a, lda, b, ldb, inner, cols, out, ldo),
-                3 => avx512::product_rows::<3>(a, lda, b, ldb, inner, cols, out, ldo),
-                4 => avx512::product_rows::<4>(a, lda, b, ldb, inner, cols, out, ldo),
-                5 => avx512::product_rows::<5>(a, lda, b, ldb, inner, cols, out, ldo),
-                6 => avx512::product_rows::<6>(a, lda, b, ldb, inner, cols, out, ldo),
-                7 => avx512::product_rows::<7>(a, lda, b, ldb, inner, cols, out, ldo),
-                _ => avx512::product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
-            }
+            for_rows!(
+                rows,
+                avx512::product_rows,
+                a,
+                lda,
+                b,
+                ldb,
+                inner,
+                cols,
+                out,
+                ldo
+            );
         }
         return;
     }
     let _ = level;
-    match rows {
-        0 => {}
-        1 => product_rows::<1>(a, lda, b, ldb, inner, cols, out, ldo),
-        2 => product_rows::<2>(a, lda, b, ldb, inner, cols, out, ldo),
-        3 => product_rows::<3>(a, lda, b, ldb, inner, cols, out, ldo),
-        4 => product_rows::<4>(a, lda, b, ldb, inner, cols, out, ldo),
-        5 => product_rows::<5>(a, lda, b, ldb, inner, cols, out, ldo),
-        6 => product_rows::<6>(a, lda, b, ldb, inner, cols, out, ldo),
-        7 => product_rows::<7>(a, lda, b, ldb, inner, cols, out, ldo),
-        8 => product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
-        _ => product_rows::<8>(a, lda, b, ldb, inner, cols, out, ldo),
-    }
+    for_rows!(rows, product_rows, a, lda, b, ldb, inner, cols, out, ldo);
 }
 
 #[inline(always)]
@@ -171,16 +180,7 @@ pub(crate) fn dots(
         // SAFETY: `Avx512` is only chosen after the CPU reported AVX-512F; the operand
         // lengths were checked above, which is all the kernel's pointer reads and writes need.
         unsafe {
-            match rows {
-                1 => avx512::dots_rows::<1>(a, lda, b, ldb, len, cols, out, ldo),
-                2 => avx512::dots_rows::<2>(a, lda, b, ldb, len, cols, out, ldo),
-                3 => avx512::dots_rows::<3>(a, lda, b, ldb, len, cols, out, ldo),
-                4 => avx512::dots_rows::<4>(a, lda, b, ldb, len, cols, out, ldo),
-                5 => avx512::dots_rows::<5>(a, lda, b, ldb, len, cols, out, ldo),
-                6 => avx512::dots_rows::<6>(a, lda, b, ldb, len, cols, out, ldo),
-                7 => avx512::dots_rows::<7>(a, lda, b, ldb, len, cols, out, ldo),
-                _ => avx512::dots_rows::<8>(a, lda, b, ldb, len, cols, out, ldo),
-            }
+            for_rows!(rows, avx512::dots_rows, a, lda, b, ldb, len, cols, out, ldo);
         }
         return;
     }

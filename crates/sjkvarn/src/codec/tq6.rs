@@ -113,12 +113,6 @@ fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
         c[2] = (b & 0xf) | ((h >> 4) & 3) << 4;
         c[3] = (b >> 4) | (h >> 6) << 4;
     }
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx512() {
-        // SAFETY: `avx512()` is true only after the CPU reported AVX-512 F/BW/VL/DQ.
-        unsafe { lookup_avx512(&t.centroids, &codes[..n], norm, &mut out[..n]) };
-        return;
-    }
     lookup_portable(&t.centroids, &codes[..n], norm, &mut out[..n]);
 }
 
@@ -129,30 +123,41 @@ fn lookup_portable(centroids: &[f32; 64], codes: &[u8], norm: f32, out: &mut [f3
     }
 }
 
-/// `out[i] = centroids[codes[i]] * norm`, 16 values per step: two two-register permutes cover
-/// the 64 centroids and bit 5 of the code picks between them (the same one multiply as the
-/// portable loop, so the same bits).
+/// The 64 centroids in four registers and the block's norm: 16 lookups per step.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn lookup_avx512(centroids: &[f32; 64], codes: &[u8], norm: f32, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let c = centroids.as_ptr();
-    // SAFETY (this block and the loop): `centroids` has 64 values, read as four 16-value
-    // vectors; each step reads 16 codes and writes 16 values inside `codes` and `out`, whose
-    // lengths are equal multiples of 16 (a block holds 64 or 128 values).
-    let (t0, t1, t2, t3) = (
-        _mm512_loadu_ps(c),
-        _mm512_loadu_ps(c.add(16)),
-        _mm512_loadu_ps(c.add(32)),
-        _mm512_loadu_ps(c.add(48)),
-    );
-    let (scale, bit5) = (_mm512_set1_ps(norm), _mm512_set1_epi32(32));
-    for (o, k) in out.chunks_exact_mut(16).zip(codes.chunks_exact(16)) {
-        let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(k.as_ptr() as *const __m128i));
-        let low = _mm512_permutex2var_ps(t0, idx, t1);
-        let high = _mm512_permutex2var_ps(t2, idx, t3);
-        let v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, bit5), low, high);
-        _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(v, scale));
+struct CentroidsAvx512 {
+    t: [std::arch::x86_64::__m512; 4],
+    scale: std::arch::x86_64::__m512,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl CentroidsAvx512 {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load(centroids: &[f32; 64], norm: f32) -> Self {
+        use std::arch::x86_64::*;
+        let c = centroids.as_ptr();
+        // SAFETY: `centroids` has 64 values, read as four 16-value vectors.
+        Self {
+            t: [0, 16, 32, 48].map(|i| _mm512_loadu_ps(c.add(i))),
+            scale: _mm512_set1_ps(norm),
+        }
+    }
+
+    /// `centroid[idx] * norm` for 16 codes (< 64): two two-register permutes, bit 5 of the
+    /// code picks between them.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn values(&self, idx: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let low = _mm512_permutex2var_ps(self.t[0], idx, self.t[1]);
+        let high = _mm512_permutex2var_ps(self.t[2], idx, self.t[3]);
+        let v = _mm512_mask_blend_ps(
+            _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)),
+            low,
+            high,
+        );
+        _mm512_mul_ps(v, self.scale)
     }
 }
 
@@ -170,17 +175,9 @@ unsafe fn unpack_lookup_avx512(
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    let c = centroids.as_ptr();
-    // SAFETY (this block and the loop): `centroids` has 64 values; step `i < n / 16` reads
-    // `qs[8i..8i + 8]` and `qh[4i..4i + 4]` (inside the fields, as the caller checked) and
-    // writes `out[16i..16i + 16]`.
-    let (t0, t1, t2, t3) = (
-        _mm512_loadu_ps(c),
-        _mm512_loadu_ps(c.add(16)),
-        _mm512_loadu_ps(c.add(32)),
-        _mm512_loadu_ps(c.add(48)),
-    );
-    let (scale, bit5) = (_mm512_set1_ps(norm), _mm512_set1_epi32(32));
+    let table = CentroidsAvx512::load(centroids, norm);
+    // SAFETY (the loop): step `i < n / 16` reads `qs[8i..8i + 8]` and `qh[4i..4i + 4]` (inside
+    // the fields, as the caller checked) and writes `out[16i..16i + 16]`.
     let lo_pick = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     let lo_shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
     let hi_pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -194,10 +191,7 @@ unsafe fn unpack_lookup_avx512(
         let lo = _mm512_and_si512(_mm512_srlv_epi32(lo, lo_shift), nibble);
         let hi = _mm512_and_si512(_mm512_srlv_epi32(hi, hi_shift), pair);
         let idx = _mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi));
-        let low = _mm512_permutex2var_ps(t0, idx, t1);
-        let high = _mm512_permutex2var_ps(t2, idx, t3);
-        let v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, bit5), low, high);
-        _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_mul_ps(v, scale));
+        _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), table.values(idx));
     }
 }
 
