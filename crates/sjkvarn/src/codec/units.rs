@@ -119,9 +119,26 @@ impl UnitReader {
             // Both sides stay channel-major (`v_by_channel`): no transpose.
             let cb = &self.codebooks[is_v as usize];
             let start = if is_v { l.v_payload } else { l.k_payload };
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::avx512() && g.is_multiple_of(32) && (bits == 2 || bits == 3) {
+                let cb16 = super::trellis::codebook(bits, is_v);
+                let out = &mut out[..d * g];
+                // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the kernel reads 8 bytes at a
+                // time only where they end inside `rec`, writes `d * g` values, and the
+                // codebook has `1 << (6 + bits)` entries (256 or 512), indexed by windows of
+                // `6 + bits` bits.
+                unsafe {
+                    if bits == 2 {
+                        trellis_side_avx512::<4>(rec, start, bits, g, cb16, out);
+                    } else {
+                        trellis_side_avx512::<8>(rec, start, bits, g, cb16, out);
+                    }
+                }
+                return;
+            }
             for c in 0..d {
                 let run = &mut out[c * g..(c + 1) * g];
-                trellis_run(rec, start, payload.len(), bits, is_v, c, cb, run);
+                trellis_run(rec, start, payload.len(), bits, c, cb, run);
             }
         } else if l.fragment_order(is_v) {
             // Keys' rows are channels (`G` apart), values' rows are tokens (`D` apart).
@@ -152,71 +169,58 @@ impl UnitReader {
 
 /// The values of trellis run `c` (`out.len()` codes) of the payload at `rec[start..start +
 /// len]`: code `t`'s value is the codebook entry of its window, the `6 + bits` stream bits
-/// ending with it, with zeros before the run's first code ([`window`]). AVX-512 reads 16
-/// windows per 8-byte read and looks up 32 at a time in the fp16 codebook held in registers.
+/// ending with it, with zeros before the run's first code ([`window`]).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn trellis_run(
     rec: &[u8],
     start: usize,
     len: usize,
     bits: u32,
-    is_v: bool,
     c: usize,
     cb: &[f32],
     out: &mut [f32],
 ) {
-    let g = out.len();
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx512() && g.is_multiple_of(32) && (bits == 2 || bits == 3) {
-        let cb16 = super::trellis::codebook(bits, is_v);
-        // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the kernel reads 8 bytes at a time
-        // only where they end inside `rec`, and the codebook has `1 << (6 + bits)` entries
-        // (256 or 512), all held in registers and indexed by windows of `6 + bits` bits.
-        unsafe {
-            if bits == 2 {
-                trellis_run_avx512::<4>(rec, start, bits, c, cb16, out);
-            } else {
-                trellis_run_avx512::<8>(rec, start, bits, c, cb16, out);
-            }
-        }
-        return;
-    }
     let payload = &rec[start..start + len];
+    let g = out.len();
     for (t, o) in out.iter_mut().enumerate() {
         *o = cb[window(payload, bits, c, t, g)];
     }
 }
 
-/// [`trellis_run`] with AVX-512: `PAIRS` pairs of 32-entry fp16 codebook registers (4 for
-/// 256 entries, 8 for 512); word permutes pick within a pair, bits 6.. of the window pick the
-/// pair. fp16 to f32 is exact, so the values equal the f32 codebook's.
+/// Every run of one trellis side (`out.len() / g` runs of `g` codes) as [`trellis_run`]
+/// gives them, with AVX-512: 16 windows per 8-byte read, 32 looked up per step in the fp16
+/// codebook held in registers (`PAIRS` pairs of 32 entries: 4 for 256 entries, 8 for 512;
+/// word permutes pick within a pair, bits 6.. of the window pick the pair). fp16 to f32 is
+/// exact, so the values equal the f32 codebook's.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
-unsafe fn trellis_run_avx512<const PAIRS: usize>(
+unsafe fn trellis_side_avx512<const PAIRS: usize>(
     rec: &[u8],
     start: usize,
     bits: u32,
-    c: usize,
+    g: usize,
     cb16: &[u16],
     out: &mut [f32],
 ) {
     use super::trellis::HISTORY_BITS;
     use std::arch::x86_64::*;
-    debug_assert_eq!(cb16.len(), 64 * PAIRS);
-    let g = out.len();
+    assert_eq!(cb16.len(), 64 * PAIRS);
     // SAFETY (loads): the codebook has 64 * PAIRS entries, read as 2 * PAIRS vectors of 32.
-    let mut tables = [_mm512_setzero_si512(); 16];
-    for (k, t) in tables.iter_mut().enumerate().take(2 * PAIRS) {
-        *t = _mm512_loadu_si512(cb16.as_ptr().add(32 * k) as *const __m512i);
-    }
+    let table = |k: usize| _mm512_loadu_si512(cb16.as_ptr().add(32 * k) as *const __m512i);
+    let even: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k));
+    let odd: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k + 1));
     let mask = _mm512_set1_epi32((1 << (HISTORY_BITS + bits)) - 1);
     let steps = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    let (bits64, eight) = (_mm512_set1_epi64(bits as i64), _mm512_set1_epi64(8));
-    let run_bit = c * g * bits as usize;
-    // Windows of codes t0..t0 + 16 as 16 u32 lanes: the stream bits from 6 before code t0
-    // (zeros before the run) in one u64, window j starting `j * bits` bits in.
-    let windows16 = |t0: usize| -> __m512i {
+    let bits64 = _mm512_set1_epi64(bits as i64);
+    let (shifts_lo, shifts_hi) = (
+        _mm512_mullo_epi64(steps, bits64),
+        _mm512_mullo_epi64(_mm512_add_epi64(steps, _mm512_set1_epi64(8)), bits64),
+    );
+    let select: [__m512i; 3] = std::array::from_fn(|l| _mm512_set1_epi16(64 << l));
+    // Windows of codes t0..t0 + 16 of the run starting at stream bit `run_bit`, as 16 u32
+    // lanes: the stream bits from 6 before code t0 (zeros before the run) in one u64, window
+    // j starting `j * bits` bits in.
+    let windows16 = |run_bit: usize, t0: usize| -> __m512i {
         let (from, pad) = if t0 == 0 {
             (run_bit, HISTORY_BITS)
         } else {
@@ -224,54 +228,49 @@ unsafe fn trellis_run_avx512<const PAIRS: usize>(
         };
         let word = if start + from / 8 + 8 <= rec.len() {
             // SAFETY: the 8 bytes end inside `rec` (checked just above).
-            let w = (rec.as_ptr().add(start + from / 8) as *const u64).read_unaligned();
-            (w >> (from % 8)) << pad
+            (rec.as_ptr().add(start + from / 8) as *const u64).read_unaligned()
         } else {
             // The record's last bytes: the same bits one byte at a time.
             let mut w = 0u64;
             for (k, &b) in rec[start + from / 8..].iter().take(8).enumerate() {
                 w |= (b as u64) << (8 * k);
             }
-            (w >> (from % 8)) << pad
+            w
         };
-        let word = _mm512_set1_epi64(word as i64);
-        let lo = _mm512_srlv_epi64(word, _mm512_mullo_epi64(steps, bits64));
-        let hi = _mm512_srlv_epi64(
-            word,
-            _mm512_mullo_epi64(_mm512_add_epi64(steps, eight), bits64),
-        );
+        let word = _mm512_set1_epi64(((word >> (from % 8)) << pad) as i64);
+        let lo = _mm512_srlv_epi64(word, shifts_lo);
+        let hi = _mm512_srlv_epi64(word, shifts_hi);
         let idx = _mm512_inserti64x4::<1>(
             _mm512_castsi256_si512(_mm512_cvtepi64_epi32(lo)),
             _mm512_cvtepi64_epi32(hi),
         );
         _mm512_and_si512(idx, mask)
     };
-    for t0 in (0..g).step_by(32) {
-        let idx = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm512_cvtepi32_epi16(windows16(t0))),
-            _mm512_cvtepi32_epi16(windows16(t0 + 16)),
-        );
-        let mut level = [_mm512_setzero_si512(); 8];
-        for (k, l) in level.iter_mut().enumerate().take(PAIRS) {
-            *l = _mm512_permutex2var_epi16(tables[2 * k], idx, tables[2 * k + 1]);
-        }
-        let (mut alive, mut bit) = (PAIRS, 64i16);
-        while alive > 1 {
-            let upper = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(bit));
-            for k in 0..alive / 2 {
-                level[k] = _mm512_mask_blend_epi16(upper, level[2 * k], level[2 * k + 1]);
+    for (c, run) in out.chunks_exact_mut(g).enumerate() {
+        let run_bit = c * g * bits as usize;
+        for t0 in (0..g).step_by(32) {
+            let idx = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm512_cvtepi32_epi16(windows16(run_bit, t0))),
+                _mm512_cvtepi32_epi16(windows16(run_bit, t0 + 16)),
+            );
+            let mut level: [__m512i; PAIRS] =
+                std::array::from_fn(|k| _mm512_permutex2var_epi16(even[k], idx, odd[k]));
+            let mut alive = PAIRS;
+            for sel in select.iter().take(PAIRS.trailing_zeros() as usize) {
+                let upper = _mm512_test_epi16_mask(idx, *sel);
+                for k in 0..alive / 2 {
+                    level[k] = _mm512_mask_blend_epi16(upper, level[2 * k], level[2 * k + 1]);
+                }
+                alive /= 2;
             }
-            alive /= 2;
-            bit <<= 1;
+            // SAFETY: `t0 + 32 <= g = run.len()`.
+            let o = run.as_mut_ptr().add(t0);
+            _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm512_castsi512_si256(level[0])));
+            _mm512_storeu_ps(
+                o.add(16),
+                _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(level[0])),
+            );
         }
-        let halves = level[0];
-        // SAFETY: `t0 + 32 <= g = out.len()`.
-        let o = out.as_mut_ptr().add(t0);
-        _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm512_castsi512_si256(halves)));
-        _mm512_storeu_ps(
-            o.add(16),
-            _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(halves)),
-        );
     }
 }
 
