@@ -69,6 +69,12 @@ pub struct DecodedHalf {
     pub s_v: Vec<f32>,
     /// Value units stored channel-major (trellis runs, read without a transpose).
     pub v_by_channel: bool,
+    /// Integer codes as bytes, in the layout of `k_units` / `v_units`, used instead of them
+    /// when `*_in_codes` is set (the bulk reader's AVX-512 path for 4-bit scalar sides).
+    pub k_codes: Vec<u8>,
+    pub v_codes: Vec<u8>,
+    pub k_in_codes: bool,
+    pub v_in_codes: bool,
 }
 
 impl DecodedHalf {
@@ -84,6 +90,10 @@ impl DecodedHalf {
             z_v: Vec::new(),
             s_v: Vec::new(),
             v_by_channel: false,
+            k_codes: Vec::new(),
+            v_codes: Vec::new(),
+            k_in_codes: false,
+            v_in_codes: false,
         }
     }
 }
@@ -296,7 +306,7 @@ impl BodySpec {
             a_v: read_f32s(m, GROUP),
             z_v: read_f32s(&m[2 * GROUP..], GROUP),
             s_v: read_f32s(&m[4 * GROUP..], r),
-            v_by_channel: false,
+            ..DecodedHalf::empty()
         })
     }
 

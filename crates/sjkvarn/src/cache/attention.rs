@@ -20,7 +20,7 @@ use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
-use crate::simd::{simd_level, SimdLevel};
+use crate::simd::{prefetch_l2, simd_level, SimdLevel};
 use rayon::prelude::*;
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
@@ -137,6 +137,10 @@ fn fold_chunk_body(
         let first = job.sink + g * GROUP;
         if !span.contains(&first) {
             continue;
+        }
+        if let Some(&next) = lj.blocks.get(g + 1) {
+            let ahead = job.seq.pool().get(next);
+            prefetch_l2(&ahead[h * rb..(h + 1) * rb]);
         }
         let bytes = job.seq.pool().get(slot);
         reader.read(&bytes[h * rb..(h + 1) * rb], &mut sc.halves)?;
@@ -346,18 +350,34 @@ fn fold_record(
             }
             offset[slot] = dot(q, &hd.z_k);
         }
-        product(
-            ctx.level,
-            np,
-            &sc.a_rows,
-            r,
-            &hd.k_units,
-            GROUP,
-            r,
-            GROUP,
-            &mut sc.part_k,
-            GROUP,
-        );
+        let (a, out) = (&sc.a_rows, &mut sc.part_k);
+        if hd.k_in_codes {
+            product(
+                ctx.level,
+                np,
+                a,
+                r,
+                &hd.k_codes,
+                GROUP,
+                r,
+                GROUP,
+                out,
+                GROUP,
+            );
+        } else {
+            product(
+                ctx.level,
+                np,
+                a,
+                r,
+                &hd.k_units,
+                GROUP,
+                r,
+                GROUP,
+                out,
+                GROUP,
+            );
+        }
         for slot in 0..np {
             let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
             let part = &sc.part_k[slot * GROUP..(slot + 1) * GROUP];
@@ -405,6 +425,9 @@ fn fold_record(
         if hd.v_by_channel {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
+        } else if hd.v_in_codes {
+            let (a, b, out) = (&sc.a_rows, &hd.v_codes, &mut sc.part_v);
+            product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);
         } else {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);

@@ -23,6 +23,46 @@ pub(crate) const MAX_ROWS: usize = 8;
 /// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
 const TILE: usize = 32;
 
+/// An element of a product's right operand: f32 units, or integer codes as bytes (a quarter
+/// of the bytes to write and read; `code as f32` is exact, so the sums are the same bits).
+pub(crate) trait Unit: Copy {
+    fn value(self) -> f32;
+
+    /// 16 consecutive elements as f32 lanes.
+    ///
+    /// # Safety
+    /// AVX-512F must be present and `p` must point at 16 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Unit for f32 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+impl Unit for u8 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self as f32
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+}
+
 /// Calls `$kernel::<M>($args)` with `M` the run-time row count (1 to [`MAX_ROWS`]; more
 /// are refused by the callers' checks), so each row count gets its own register-resident code.
 macro_rules! for_rows {
@@ -50,7 +90,7 @@ pub(crate) fn product(
     rows: usize,
     a: &[f32],
     lda: usize,
-    b: &[f32],
+    b: &[impl Unit],
     ldb: usize,
     inner: usize,
     cols: usize,
@@ -93,7 +133,7 @@ pub(crate) fn product(
 fn product_rows<const M: usize>(
     a: &[f32],
     lda: usize,
-    b: &[f32],
+    b: &[impl Unit],
     ldb: usize,
     inner: usize,
     cols: usize,
@@ -104,9 +144,10 @@ fn product_rows<const M: usize>(
     while j0 + TILE <= cols {
         let mut acc = [[0.0f32; TILE]; M];
         for i in 0..inner {
-            let row: &[f32; TILE] = b[i * ldb + j0..i * ldb + j0 + TILE]
-                .try_into()
-                .expect("tile inside b");
+            let mut row = [0.0f32; TILE];
+            for (r, u) in row.iter_mut().zip(&b[i * ldb + j0..i * ldb + j0 + TILE]) {
+                *r = u.value();
+            }
             for s in 0..M {
                 let x = a[s * lda + i];
                 for l in 0..TILE {
@@ -128,7 +169,7 @@ fn product_rows<const M: usize>(
 fn product_tail<const M: usize>(
     a: &[f32],
     lda: usize,
-    b: &[f32],
+    b: &[impl Unit],
     ldb: usize,
     inner: usize,
     j0: usize,
@@ -139,7 +180,7 @@ fn product_tail<const M: usize>(
     for j in j0..cols {
         let mut acc = [0.0f32; M];
         for i in 0..inner {
-            let y = b[i * ldb + j];
+            let y = b[i * ldb + j].value();
             for s in 0..M {
                 acc[s] += a[s * lda + i] * y;
             }
@@ -214,7 +255,14 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::Unit;
     use std::arch::x86_64::*;
+
+    /// [`Unit::load16`] by pointer type.
+    #[inline(always)]
+    unsafe fn load16<U: Unit>(p: *const U) -> __m512 {
+        U::load16(p)
+    }
 
     /// [`super::product_rows`] with the tile's accumulators in registers: `2 * M` vectors of 16
     /// columns, one multiply and one add per product, in the same order per element.
@@ -227,7 +275,7 @@ mod avx512 {
     pub(super) unsafe fn product_rows<const M: usize>(
         a: &[f32],
         lda: usize,
-        b: &[f32],
+        b: &[impl Unit],
         ldb: usize,
         inner: usize,
         cols: usize,
@@ -243,7 +291,7 @@ mod avx512 {
                 // SAFETY (all pointer reads and writes here): `i < inner`, `j0 + 32 <= cols`
                 // and `s < M` keep every offset inside the lengths `product` checked.
                 let row = bp.add(i * ldb + j0);
-                let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
+                let (b0, b1) = (load16(row), load16(row.add(16)));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
@@ -259,7 +307,7 @@ mod avx512 {
         while j0 + 16 <= cols {
             let mut lo = [_mm512_setzero_ps(); M];
             for i in 0..inner {
-                let b0 = _mm512_loadu_ps(bp.add(i * ldb + j0));
+                let b0 = load16(bp.add(i * ldb + j0));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
@@ -375,6 +423,56 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Byte codes give the bits their f32 values give, at every level.
+    #[test]
+    fn byte_codes_equal_their_f32_values() {
+        let mut rng = SplitMix64::new(5);
+        for level in [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512] {
+            if level > detected_level() {
+                continue;
+            }
+            for rows in 1..=MAX_ROWS {
+                let (inner, cols) = (128usize, 128usize);
+                let a = rng.gaussians(rows * inner);
+                let codes: Vec<u8> = (0..inner * cols)
+                    .map(|_| rng.next_u64() as u8 & 15)
+                    .collect();
+                let units: Vec<f32> = codes.iter().map(|&c| c as f32).collect();
+                let mut from_codes = vec![0.0f32; rows * cols];
+                let mut from_units = vec![0.0f32; rows * cols];
+                product(
+                    level,
+                    rows,
+                    &a,
+                    inner,
+                    &codes,
+                    cols,
+                    inner,
+                    cols,
+                    &mut from_codes,
+                    cols,
+                );
+                product(
+                    level,
+                    rows,
+                    &a,
+                    inner,
+                    &units,
+                    cols,
+                    inner,
+                    cols,
+                    &mut from_units,
+                    cols,
+                );
+                let same = from_codes
+                    .iter()
+                    .zip(&from_units)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{level:?}, {rows} rows");
             }
         }
     }

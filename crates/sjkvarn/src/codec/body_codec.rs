@@ -252,6 +252,6 @@ pub(crate) fn reference_half(l: &RecordLayout, rec: &[u8]) -> Result<DecodedHalf
         s_v: (0..d)
             .map(|c| half(l.v_ch + 2 * l.v_channel_slot(c)))
             .collect(),
-        v_by_channel: false,
+        ..DecodedHalf::empty()
     })
 }

@@ -93,8 +93,14 @@ impl UnitReader {
         for buf in [&mut out.k_units, &mut out.v_units] {
             buf.resize(d * g, 0.0);
         }
-        self.read_side(rec, false, &mut out.k_units);
-        self.read_side(rec, true, &mut out.v_units);
+        out.k_in_codes = self.read_codes(rec, false, &mut out.k_codes);
+        if !out.k_in_codes {
+            self.read_side(rec, false, &mut out.k_units);
+        }
+        out.v_in_codes = self.read_codes(rec, true, &mut out.v_codes);
+        if !out.v_in_codes {
+            self.read_side(rec, true, &mut out.v_units);
+        }
         out.v_by_channel = l.body == Body::Trellis;
         let (k_slot, v_slot, halves) = (&self.k_slot, &self.v_slot, &mut self.halves);
         scale_field(rec, halves, &mut out.a_k, d, |c| l.k_scale + 2 * k_slot[c]);
@@ -104,6 +110,36 @@ impl UnitReader {
         scale_field(rec, halves, &mut out.z_v, g, |t| l.v_zero + 2 * t);
         scale_field(rec, halves, &mut out.s_v, d, |c| l.v_ch + 2 * v_slot[c]);
         Ok(())
+    }
+
+    /// One 4-bit scalar side's codes as bytes, in the units' layout, where AVX-512 reads
+    /// them; `false` (nothing written) elsewhere.
+    #[inline(always)]
+    fn read_codes(&self, rec: &[u8], is_v: bool, out: &mut Vec<u8>) -> bool {
+        let l = self.layout;
+        let (d, g) = (l.head_dim, l.group);
+        if l.body == Body::Trellis || !l.fragment_order(is_v) || !crate::simd::avx512() {
+            return false;
+        }
+        out.resize(d * g, 0);
+        let stride = if is_v { d } else { g };
+        let tiles_d = d / TILE;
+        for (tile, bytes) in l
+            .payload(rec, is_v)
+            .chunks_exact(TILE * TILE / 2)
+            .enumerate()
+        {
+            let (t, c) = ((tile / tiles_d) * TILE, (tile % tiles_d) * TILE);
+            let base = if is_v { t * d + c } else { c * g + t };
+            let dst = &mut out[base..];
+            assert!(bytes.len() == 128 && dst.len() >= 15 * stride + 16 && stride >= 16);
+            // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the lengths were checked above.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                fragment_codes_avx512(bytes, dst, stride)
+            };
+        }
+        true
     }
 
     /// One side's units: keys channel-major (`[c * G + t]`), values token-major (`[t * D + c]`).
@@ -314,31 +350,10 @@ unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
     // `row * stride + 8 (n & 1)` with row <= 15 inside `dst`, as the caller checked.
     let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
     let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
-    let column = |a: i32| {
-        let idx = _mm512_setr_epi32(
-            a,
-            4 + a,
-            8 + a,
-            12 + a,
-            16 + a,
-            20 + a,
-            24 + a,
-            28 + a,
-            a + 1,
-            5 + a,
-            9 + a,
-            13 + a,
-            17 + a,
-            21 + a,
-            25 + a,
-            29 + a,
-        );
-        _mm512_permutex2var_epi32(w0, idx, w1)
-    };
     let nibble = _mm512_set1_epi32(15);
     let out = dst.as_mut_ptr();
     for a in [0usize, 2] {
-        let cols = column(a as i32); // words of columns a (lanes 0..8) and a + 1 (lanes 8..16)
+        let cols = fragment_columns(w0, w1, a as i32);
         for n in 0..8usize {
             let v = _mm512_and_si512(
                 _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
@@ -353,6 +368,67 @@ unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
             _mm256_storeu_ps(
                 out.add((2 * a + 2 + row) * stride + col),
                 _mm512_extractf32x8_ps::<1>(v),
+            );
+        }
+    }
+}
+
+/// The tile words of columns `a` (lanes 0..8) and `a + 1` (lanes 8..16): words `4b + a` and
+/// `4b + a + 1` for b = 0..8, from the tile's two 64-byte halves.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fragment_columns(
+    w0: std::arch::x86_64::__m512i,
+    w1: std::arch::x86_64::__m512i,
+    a: i32,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let idx = _mm512_setr_epi32(
+        a,
+        4 + a,
+        8 + a,
+        12 + a,
+        16 + a,
+        20 + a,
+        24 + a,
+        28 + a,
+        a + 1,
+        5 + a,
+        9 + a,
+        13 + a,
+        17 + a,
+        21 + a,
+        25 + a,
+        29 + a,
+    );
+    _mm512_permutex2var_epi32(w0, idx, w1)
+}
+
+/// [`fragment_tile`] as bytes: the same nibbles, narrowed instead of converted to f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+unsafe fn fragment_codes_avx512(bytes: &[u8], dst: &mut [u8], stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads); every store writes 8 bytes at
+    // `row * stride + 8 (n & 1)` with row <= 15 inside `dst`, as the caller checked.
+    let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
+    let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
+    let nibble = _mm512_set1_epi32(15);
+    let out = dst.as_mut_ptr();
+    for a in [0usize, 2] {
+        let cols = fragment_columns(w0, w1, a as i32);
+        for n in 0..8usize {
+            let v = _mm512_and_si512(
+                _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
+                nibble,
+            );
+            let v = _mm512_cvtepi32_epi8(v);
+            let (row, col) = (8 * ((n >> 1) & 1) + (n >> 2), 8 * (n & 1));
+            _mm_storel_epi64(out.add((2 * a + row) * stride + col) as *mut __m128i, v);
+            _mm_storel_epi64(
+                out.add((2 * a + 2 + row) * stride + col) as *mut __m128i,
+                _mm_unpackhi_epi64(v, v),
             );
         }
     }
@@ -421,13 +497,23 @@ mod tests {
                 for c in 0..d {
                     for t in 0..128 {
                         let (kq, vq) = (dec.q(&rec, t, c, false), dec.q(&rec, t, c, true));
-                        assert_eq!(got.k_units[c * 128 + t].to_bits(), kq.to_bits());
+                        let k = if got.k_in_codes {
+                            got.k_codes[c * 128 + t] as f32
+                        } else {
+                            got.k_units[c * 128 + t]
+                        };
+                        assert_eq!(k.to_bits(), kq.to_bits());
                         let v_at = if got.v_by_channel {
                             c * 128 + t
                         } else {
                             t * d + c
                         };
-                        assert_eq!(got.v_units[v_at].to_bits(), vq.to_bits());
+                        let v = if got.v_in_codes {
+                            got.v_codes[v_at] as f32
+                        } else {
+                            got.v_units[v_at]
+                        };
+                        assert_eq!(v.to_bits(), vq.to_bits());
                     }
                 }
                 let want = super::super::body_codec::reference_half(&layout, &rec).unwrap();
