@@ -133,20 +133,27 @@ fn fold_chunk_body(
 
     // Body records (rotated frame, absorbed scales), each read once.
     let rb = job.codec.record_bytes();
-    for (g, &slot) in lj.blocks.iter().enumerate() {
-        let first = job.sink + g * GROUP;
-        if !span.contains(&first) {
-            continue;
-        }
-        if let Some(&next) = lj.blocks.get(g + 1) {
-            let ahead = job.seq.pool().get(next);
+    // Each record is fetched from the pool once; the next one is prefetched meanwhile.
+    let mut records = lj
+        .blocks
+        .iter()
+        .enumerate()
+        .map(|(g, &slot)| (job.sink + g * GROUP, slot))
+        .skip_while(|(first, _)| *first < span.start)
+        .take_while(|(first, _)| *first < span.end)
+        .peekable();
+    let pool = job.seq.pool();
+    let mut current = records.peek().map(|&(_, slot)| pool.get(slot));
+    while let (Some((first, _)), Some(bytes)) = (records.next(), current.take()) {
+        let next = records.peek().map(|&(_, slot)| pool.get(slot));
+        if let Some(ahead) = &next {
             prefetch_l2(&ahead[h * rb..(h + 1) * rb]);
         }
-        let bytes = job.seq.pool().get(slot);
         reader.read(&bytes[h * rb..(h + 1) * rb], &mut sc.halves)?;
         for pairs in blocks.clone() {
             fold_record(ctx, states, pairs, first, job.r, sc);
         }
+        current = next;
     }
 
     // Ring, in blocks aligned to 128 positions.

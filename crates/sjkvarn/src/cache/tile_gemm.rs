@@ -63,6 +63,15 @@ impl Unit for u8 {
     }
 }
 
+/// Elements an operand of `lines` lines of `len` values, `stride` apart, must hold.
+#[inline(always)]
+fn span(lines: usize, stride: usize, len: usize) -> usize {
+    match lines {
+        0 => 0,
+        n => (n - 1) * stride + len,
+    }
+}
+
 /// Calls `$kernel::<M>($args)` with `M` the run-time row count (1 to [`MAX_ROWS`]; more
 /// are refused by the callers' checks), so each row count gets its own register-resident code.
 macro_rules! for_rows {
@@ -99,9 +108,9 @@ pub(crate) fn product(
 ) {
     assert!(
         rows <= MAX_ROWS
-            && (rows == 0 || inner == 0 || a.len() >= (rows - 1) * lda + inner)
-            && (inner == 0 || b.len() >= (inner - 1) * ldb + cols)
-            && (rows == 0 || out.len() >= (rows - 1) * ldo + cols),
+            && a.len() >= span(rows, lda, inner)
+            && b.len() >= span(inner, ldb, cols)
+            && out.len() >= span(rows, ldo, cols),
         "product operands too short"
     );
     #[cfg(target_arch = "x86_64")]
@@ -211,9 +220,9 @@ pub(crate) fn dots(
     assert!(
         rows <= MAX_ROWS
             && len.is_multiple_of(LANES)
-            && (rows == 0 || a.len() >= (rows - 1) * lda + len)
-            && (cols == 0 || b.len() >= (cols - 1) * ldb + len)
-            && (rows == 0 || out.len() >= (rows - 1) * ldo + cols),
+            && a.len() >= span(rows, lda, len)
+            && b.len() >= span(cols, ldb, len)
+            && out.len() >= span(rows, ldo, cols),
         "dots operands too short"
     );
     #[cfg(target_arch = "x86_64")]

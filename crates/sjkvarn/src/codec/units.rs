@@ -346,12 +346,34 @@ fn fragment_tile_portable(bytes: &[u8], dst: &mut [f32], stride: usize) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
 unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
     use std::arch::x86_64::*;
-    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads); every store writes 8 floats at
-    // `row * stride + 8 (n & 1)` with row <= 15 inside `dst`, as the caller checked.
+    let out = dst.as_mut_ptr();
+    // SAFETY: every store writes 8 floats at `row * stride + col` with row <= 15 and
+    // col <= 8 inside `dst`, as the caller checked.
+    fragment_nibbles_avx512(bytes, |first, second, col, v| {
+        let v = _mm512_cvtepi32_ps(v);
+        _mm256_storeu_ps(out.add(first * stride + col), _mm512_castps512_ps256(v));
+        _mm256_storeu_ps(
+            out.add(second * stride + col),
+            _mm512_extractf32x8_ps::<1>(v),
+        );
+    });
+}
+
+/// The nibbles of one 16x16 fragment tile, 16 at a time: `emit(first, second, col, v)` gets
+/// rows `first` (lanes 0..8) and `second` (lanes 8..16), 8 columns from `col` each, as u32
+/// lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+#[inline]
+unsafe fn fragment_nibbles_avx512(
+    bytes: &[u8],
+    mut emit: impl FnMut(usize, usize, usize, std::arch::x86_64::__m512i),
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads), as the callers checked.
     let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
     let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
     let nibble = _mm512_set1_epi32(15);
-    let out = dst.as_mut_ptr();
     for a in [0usize, 2] {
         let cols = fragment_columns(w0, w1, a as i32);
         for n in 0..8usize {
@@ -359,16 +381,8 @@ unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
                 _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
                 nibble,
             );
-            let v = _mm512_cvtepi32_ps(v);
             let (row, col) = (8 * ((n >> 1) & 1) + (n >> 2), 8 * (n & 1));
-            _mm256_storeu_ps(
-                out.add((2 * a + row) * stride + col),
-                _mm512_castps512_ps256(v),
-            );
-            _mm256_storeu_ps(
-                out.add((2 * a + 2 + row) * stride + col),
-                _mm512_extractf32x8_ps::<1>(v),
-            );
+            emit(2 * a + row, 2 * a + 2 + row, col, v);
         }
     }
 }
@@ -410,28 +424,17 @@ unsafe fn fragment_columns(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
 unsafe fn fragment_codes_avx512(bytes: &[u8], dst: &mut [u8], stride: usize) {
     use std::arch::x86_64::*;
-    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads); every store writes 8 bytes at
-    // `row * stride + 8 (n & 1)` with row <= 15 inside `dst`, as the caller checked.
-    let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
-    let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
-    let nibble = _mm512_set1_epi32(15);
     let out = dst.as_mut_ptr();
-    for a in [0usize, 2] {
-        let cols = fragment_columns(w0, w1, a as i32);
-        for n in 0..8usize {
-            let v = _mm512_and_si512(
-                _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
-                nibble,
-            );
-            let v = _mm512_cvtepi32_epi8(v);
-            let (row, col) = (8 * ((n >> 1) & 1) + (n >> 2), 8 * (n & 1));
-            _mm_storel_epi64(out.add((2 * a + row) * stride + col) as *mut __m128i, v);
-            _mm_storel_epi64(
-                out.add((2 * a + 2 + row) * stride + col) as *mut __m128i,
-                _mm_unpackhi_epi64(v, v),
-            );
-        }
-    }
+    // SAFETY: every store writes 8 bytes at `row * stride + col` with row <= 15 and col <= 8
+    // inside `dst`, as the caller checked.
+    fragment_nibbles_avx512(bytes, |first, second, col, v| {
+        let v = _mm512_cvtepi32_epi8(v);
+        _mm_storel_epi64(out.add(first * stride + col) as *mut __m128i, v);
+        _mm_storel_epi64(
+            out.add(second * stride + col) as *mut __m128i,
+            _mm_unpackhi_epi64(v, v),
+        );
+    });
 }
 
 /// Unpacks consecutive `bits`-bit codes (LSB first) into `out`.
