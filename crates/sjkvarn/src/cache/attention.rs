@@ -14,13 +14,14 @@
 
 use super::online_softmax::{merge_states, Softmax};
 use super::sequence::{LayerJournal, Sequence};
-use super::tile_gemm::{dot, dots, product, MAX_ROWS};
+use super::tile_gemm::{dot, dots, product, product_onto, MAX_ROWS};
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
 use crate::simd::{prefetch_l2, simd_level, SimdLevel};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
@@ -117,15 +118,12 @@ fn fold_chunk_body(
             for t in 0..rows {
                 let at = ((first + t) * kvh + h) * d;
                 let (kr, vr) = (&lj.sink_k[at..at + d], &lj.sink_v[at..at + d]);
-                for (o, x) in sc.kblk[t * d..(t + 1) * d].iter_mut().zip(kr) {
-                    *o = x.to_f32();
-                }
-                for (o, x) in sc.vblk[t * d..(t + 1) * d].iter_mut().zip(vr) {
-                    *o = x.to_f32();
-                }
+                // The slice conversion runs on F16C where present (one check per row).
+                kr.convert_to_f32_slice(&mut sc.kblk[t * d..(t + 1) * d]);
+                vr.convert_to_f32_slice(&mut sc.vblk[t * d..(t + 1) * d]);
             }
             for pairs in blocks.clone() {
-                fold_dense(ctx, states, pairs, first, rows, sc);
+                fold_dense(ctx, states, pairs, first, rows, sc, GROUP, |_, _, _| {});
             }
         }
         first += rows;
@@ -156,27 +154,42 @@ fn fold_chunk_body(
         current = next;
     }
 
-    // Ring, in blocks aligned to 128 positions.
+    // Ring, in blocks aligned to 128 positions. With one pair block (decoding) rows are
+    // decoded piece by piece as they are scored, so they stay in L1; with several (prefill)
+    // the block is decoded once and shared by all of them. Both give the same bits.
+    let ring_row = |pos: usize, value: bool, out: &mut [f32]| {
+        if pos + RING_AHEAD < lj.len && !value {
+            job.seq.prefetch_ring(lj, pos + RING_AHEAD, h);
+        }
+        job.seq.ring_row(lj, pos, h, value, out);
+    };
     let mut first = lj.ring_start(job.sink);
     while first < lj.len {
         let rows = (lj.len - first).min(GROUP);
-        if span.contains(&first) {
+        if span.contains(&first) && job.pairs <= PAIRS {
+            let piece = (4096 / d).clamp(16, GROUP);
+            let fill = |t0: usize, value: bool, out: &mut [f32]| {
+                for (t, row) in out.chunks_exact_mut(d).enumerate() {
+                    ring_row(first + t0 + t, value, row);
+                }
+            };
+            fold_dense(ctx, states, 0..job.pairs, first, rows, sc, piece, fill);
+        } else if span.contains(&first) {
             for t in 0..rows {
-                let (k, v) = (
-                    &mut sc.kblk[t * d..(t + 1) * d],
-                    &mut sc.vblk[t * d..(t + 1) * d],
-                );
-                job.seq.ring_row(lj, first + t, h, false, k);
-                job.seq.ring_row(lj, first + t, h, true, v);
+                ring_row(first + t, false, &mut sc.kblk[t * d..(t + 1) * d]);
+                ring_row(first + t, true, &mut sc.vblk[t * d..(t + 1) * d]);
             }
             for pairs in blocks.clone() {
-                fold_dense(ctx, states, pairs, first, rows, sc);
+                fold_dense(ctx, states, pairs, first, rows, sc, GROUP, |_, _, _| {});
             }
         }
         first += rows;
     }
     Ok(())
 }
+
+/// Ring positions fetched ahead of the one being decoded.
+const RING_AHEAD: usize = 8;
 
 /// Query (row, head) pairs scored together against one block: each K/V element loaded is
 /// used by all of them, and their scratch (a few KiB) stays in L1.
@@ -261,9 +274,11 @@ impl Scratch {
     }
 }
 
-/// Folds a block of dense rotated rows (`sc.kblk`, `sc.vblk`: `[rows][d]`) into the states of
-/// `pairs`.
-#[allow(clippy::needless_range_loop)]
+/// Folds a block of dense rotated rows into the states of `pairs`, `piece` rows at a time:
+/// `fill(t0, value, out)` writes the block's K (or V) rows `t0..` into `out` (`[n][d]`, the
+/// start of `sc.kblk` or `sc.vblk`); a block decoded beforehand passes `piece = GROUP` and a
+/// `fill` that does nothing. Every sum keeps its order, so `piece` does not change the bits.
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
 fn fold_dense(
     ctx: &Queries,
@@ -272,6 +287,8 @@ fn fold_dense(
     first: usize,
     rows: usize,
     sc: &mut Scratch,
+    piece: usize,
+    mut fill: impl FnMut(usize, bool, &mut [f32]),
 ) {
     let d = ctx.d;
     let (visible, np) = ctx.visible_all(pairs.clone(), first, rows);
@@ -280,18 +297,22 @@ fn fold_dense(
         return;
     }
     let queries = ctx.rows_from(pairs.start);
-    dots(
-        ctx.level,
-        np,
-        queries,
-        d,
-        &sc.kblk,
-        d,
-        d,
-        most,
-        &mut sc.logits,
-        GROUP,
-    );
+    for t0 in (0..most).step_by(piece) {
+        let n = piece.min(most - t0);
+        fill(t0, false, &mut sc.kblk[..n * d]);
+        dots(
+            ctx.level,
+            np,
+            queries,
+            d,
+            &sc.kblk,
+            d,
+            d,
+            n,
+            &mut sc.logits[t0..],
+            GROUP,
+        );
+    }
     let mut live = [false; PAIRS];
     for (slot, p) in pairs.clone().enumerate() {
         let lg = &mut sc.logits[slot * GROUP..(slot + 1) * GROUP];
@@ -306,18 +327,16 @@ fn fold_dense(
         let seen = if live[slot] { visible[slot] } else { 0 };
         sc.weights[slot * GROUP + seen..slot * GROUP + most].fill(0.0);
     }
-    product(
-        ctx.level,
-        np,
-        &sc.weights,
-        GROUP,
-        &sc.vblk,
-        d,
-        most,
-        d,
-        &mut sc.part_v,
-        d,
-    );
+    for t0 in (0..most).step_by(piece) {
+        let n = piece.min(most - t0);
+        fill(t0, true, &mut sc.vblk[..n * d]);
+        let (w, v, out) = (&sc.weights[t0..], &sc.vblk, &mut sc.part_v);
+        if t0 == 0 {
+            product(ctx.level, np, w, GROUP, v, d, n, d, out, d);
+        } else {
+            product_onto(ctx.level, np, w, GROUP, v, d, n, d, out, d);
+        }
+    }
     for (slot, p) in pairs.enumerate() {
         if live[slot] {
             let part = &sc.part_v[slot * d..(slot + 1) * d];

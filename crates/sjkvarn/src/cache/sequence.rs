@@ -18,6 +18,7 @@ use crate::codec::fp16::f32_to_f16;
 use crate::codec::rotation::rotate_heads;
 use crate::error::check_finite;
 use crate::journal::LayerState;
+use crate::simd::prefetch_l2;
 use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -262,6 +263,15 @@ impl Sequence {
         let start =
             ((self.ring_index(pos) * self.config.kv_heads + head) * 2 + value as usize) * rb;
         start..start + rb
+    }
+
+    /// Hints the cache to fetch ring position `pos` of `head` (its K and V rows are adjacent):
+    /// ring rows of one head are a whole token apart, too far apart for the hardware's own
+    /// stride prefetch to keep up, so the attention loop asks a few positions ahead.
+    #[inline(always)]
+    pub(crate) fn prefetch_ring(&self, layer: &LayerJournal, pos: usize, head: usize) {
+        let k = self.ring_row_range(pos, head, false);
+        prefetch_l2(&layer.ring[k.start..k.end + self.rows.row_bytes()]);
     }
 
     /// Decodes ring row `pos` of `head` (K or V) into `out`, in the staging frame.

@@ -106,6 +106,44 @@ pub(crate) fn product(
     out: &mut [f32],
     ldo: usize,
 ) {
+    product_from(level, rows, a, lda, b, ldb, inner, cols, out, ldo, false);
+}
+
+/// [`product`] continued: each sum starts from `out`'s value instead of zero, so a product
+/// split along `inner` into consecutive calls (the first a plain [`product`]) gives the same
+/// bits as one call over the whole range.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_onto(
+    level: SimdLevel,
+    rows: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[impl Unit],
+    ldb: usize,
+    inner: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    product_from(level, rows, a, lda, b, ldb, inner, cols, out, ldo, true);
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn product_from(
+    level: SimdLevel,
+    rows: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[impl Unit],
+    ldb: usize,
+    inner: usize,
+    cols: usize,
+    out: &mut [f32],
+    ldo: usize,
+    carry: bool,
+) {
     assert!(
         rows <= MAX_ROWS
             && a.len() >= span(rows, lda, inner)
@@ -128,13 +166,26 @@ pub(crate) fn product(
                 inner,
                 cols,
                 out,
-                ldo
+                ldo,
+                carry
             );
         }
         return;
     }
     let _ = level;
-    for_rows!(rows, product_rows, a, lda, b, ldb, inner, cols, out, ldo);
+    for_rows!(
+        rows,
+        product_rows,
+        a,
+        lda,
+        b,
+        ldb,
+        inner,
+        cols,
+        out,
+        ldo,
+        carry
+    );
 }
 
 #[inline(always)]
@@ -148,10 +199,16 @@ fn product_rows<const M: usize>(
     cols: usize,
     out: &mut [f32],
     ldo: usize,
+    carry: bool,
 ) {
     let mut j0 = 0;
     while j0 + TILE <= cols {
         let mut acc = [[0.0f32; TILE]; M];
+        if carry {
+            for (s, tile) in acc.iter_mut().enumerate() {
+                tile.copy_from_slice(&out[s * ldo + j0..s * ldo + j0 + TILE]);
+            }
+        }
         for i in 0..inner {
             let mut row = [0.0f32; TILE];
             for (r, u) in row.iter_mut().zip(&b[i * ldb + j0..i * ldb + j0 + TILE]) {
@@ -169,7 +226,7 @@ fn product_rows<const M: usize>(
         }
         j0 += TILE;
     }
-    product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo);
+    product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo, carry);
 }
 
 /// Columns `j0..cols` of [`product_rows`], one at a time.
@@ -185,9 +242,15 @@ fn product_tail<const M: usize>(
     cols: usize,
     out: &mut [f32],
     ldo: usize,
+    carry: bool,
 ) {
     for j in j0..cols {
         let mut acc = [0.0f32; M];
+        if carry {
+            for (s, x) in acc.iter_mut().enumerate() {
+                *x = out[s * ldo + j];
+            }
+        }
         for i in 0..inner {
             let y = b[i * ldb + j].value();
             for s in 0..M {
@@ -290,12 +353,20 @@ mod avx512 {
         cols: usize,
         out: &mut [f32],
         ldo: usize,
+        carry: bool,
     ) {
         let (ap, bp, op) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
         let mut j0 = 0;
         while j0 + 32 <= cols {
             let mut lo = [_mm512_setzero_ps(); M];
             let mut hi = [_mm512_setzero_ps(); M];
+            if carry {
+                for s in 0..M {
+                    // SAFETY: the start values are read where the results are stored below.
+                    lo[s] = _mm512_loadu_ps(op.add(s * ldo + j0));
+                    hi[s] = _mm512_loadu_ps(op.add(s * ldo + j0 + 16));
+                }
+            }
             for i in 0..inner {
                 // SAFETY (all pointer reads and writes here): `i < inner`, `j0 + 32 <= cols`
                 // and `s < M` keep every offset inside the lengths `product` checked.
@@ -315,6 +386,12 @@ mod avx512 {
         }
         while j0 + 16 <= cols {
             let mut lo = [_mm512_setzero_ps(); M];
+            if carry {
+                for s in 0..M {
+                    // SAFETY: as above.
+                    lo[s] = _mm512_loadu_ps(op.add(s * ldo + j0));
+                }
+            }
             for i in 0..inner {
                 let b0 = load16(bp.add(i * ldb + j0));
                 for s in 0..M {
@@ -327,7 +404,7 @@ mod avx512 {
             }
             j0 += 16;
         }
-        super::product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo);
+        super::product_tail::<M>(a, lda, b, ldb, inner, j0, cols, out, ldo, carry);
     }
 
     /// [`super::dot`]'s order for `M` query rows at once: each 16-value chunk of a key row is
@@ -431,6 +508,55 @@ mod tests {
                             assert_eq!(want.to_bits(), got.to_bits(), "{level:?} {rows}x{len}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A product split along `inner` into a `product` and `product_onto` calls gives the
+    /// bits of one call, at every level and for any split points.
+    #[test]
+    fn a_product_continued_in_pieces_is_the_whole_product() {
+        let mut rng = SplitMix64::new(6);
+        for level in [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512] {
+            if level > detected_level() {
+                continue;
+            }
+            for rows in 1..=MAX_ROWS {
+                let (inner, cols) = (128usize, 80usize);
+                let a = rng.gaussians(rows * inner);
+                let b = rng.gaussians(inner * cols);
+                let mut whole = vec![0.0f32; rows * cols];
+                product(
+                    level, rows, &a, inner, &b, cols, inner, cols, &mut whole, cols,
+                );
+                for step in [1usize, 16, 37, 100] {
+                    let mut pieces = vec![f32::NAN; rows * cols];
+                    for i0 in (0..inner).step_by(step) {
+                        let n = step.min(inner - i0);
+                        let (a, b) = (&a[i0..], &b[i0 * cols..]);
+                        if i0 == 0 {
+                            product(level, rows, a, inner, b, cols, n, cols, &mut pieces, cols);
+                        } else {
+                            product_onto(
+                                level,
+                                rows,
+                                a,
+                                inner,
+                                b,
+                                cols,
+                                n,
+                                cols,
+                                &mut pieces,
+                                cols,
+                            );
+                        }
+                    }
+                    let same = whole
+                        .iter()
+                        .zip(&pieces)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{level:?}, {rows} rows, pieces of {step}");
                 }
             }
         }
