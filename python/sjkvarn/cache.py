@@ -123,16 +123,21 @@ class Config:
     """Geometry, per-layer coding, tail sizes and staging of a cache.
 
     ``body`` is ``"scalar"`` or ``"trellis"`` (the reference trellis: 3/3, 3/2 or 2/2);
-    ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per
-    layer (tiered edge layers). ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16)
-    or ``"q8_0"`` (extension). ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the
-    reference's ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed
-    tail); ``sink`` is the number of leading positions kept exact (a non-zero multiple of 64,
-    128 by default; CPU only otherwise) and ``sink_type`` ``"f16"`` or ``"inherit"`` (with f16
-    staging). A configuration with
-    2..4-bit scalar or reference-trellis bodies, tq6_0 or f16 staging and ``head_dim`` a multiple
-    of 128 writes the reference SJ-KVaRN format (``Cache.reference_format``). ``pool_sequences``
-    sizes the record pool
+    ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per layer (tiered edge layers).
+
+    ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16) or ``"q8_0"`` (extension) for
+    keys and values, ``"K/V"`` for different types (for example ``"q8_0/tq6_0"``: 8-bit keys,
+    6-bit values), or ``"auto"``: each layer measures every type on its own first rows and keeps
+    the smallest within ``staging_budget`` (default 0.04; see :meth:`Cache.staging_report`).
+    Staging types are not part of sealed records.
+
+    ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the reference's
+    ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed tail); ``sink``
+    is the number of leading positions kept exact (a non-zero multiple of 64, 128 by default;
+    CPU only otherwise) and ``sink_type`` ``"f16"`` or ``"inherit"`` (with f16 staging). A
+    configuration with 2..4-bit scalar or reference-trellis bodies, one of tq6_0 or f16 staging
+    for keys and values and ``head_dim`` a multiple of 128 writes the reference SJ-KVaRN format
+    (``Cache.reference_format``). ``pool_sequences`` sizes the record pool
     that this cache and its forks share (in sequences of ``max_tokens``).
     """
 
@@ -153,6 +158,7 @@ class Config:
     mode: str = "final"
     stat: str = "std"
     staging: str = "tq6_0"
+    staging_budget: float | None = None
     sink: int = 128
     sink_type: str = "f16"
     device: str = "cpu"
@@ -189,6 +195,7 @@ def _spec_of(config: Config) -> Any:
         config.flush_chunk,
         config.sink_type,
         config.sink,
+        config.staging_budget,
     )
 
 
@@ -217,6 +224,7 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
         mode=d["mode"],
         stat=d["stat"],
         staging=d["staging"],
+        staging_budget=d["staging_budget"],
         sink=d["sink"],
         sink_type=d["sink_type"],
         pool_sequences=pool_sequences,
@@ -364,6 +372,15 @@ class Cache:
     def memory(self) -> dict[str, float]:
         """Allocated bytes per region, token counts and occupied effective bits per value."""
         return dict(self._core.memory())
+
+    def staging_report(self) -> list[dict[str, Any] | None]:
+        """Per layer, what ``staging="auto"`` picked and why: the K and V types, each
+        candidate's measured score (keys: logit error centred over positions; values: relative
+        error; both relative to the rows' spread), the budget and a one-line explanation.
+        ``None`` for a fixed staging, or a layer nothing was appended to yet."""
+        if isinstance(self._core, _core.DeviceCache):
+            return [None] * self.config.layers  # the device ring is always tq6_0
+        return [None if r is None else dict(r) for r in self._core.staging_report()]
 
     def snapshot(self) -> bytes:
         return bytes(self._core.snapshot())

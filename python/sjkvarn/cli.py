@@ -35,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="KL of every cache arm against an exact cache (default)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
-    ev.add_argument("--history-tokens", type=int, default=1024)
-    ev.add_argument("--scored-tokens", type=int, default=128)
+    ev.add_argument(
+        "--preset",
+        choices=["default", "seed"],
+        default="default",
+        help="seed: the seed's regime (Gemma 3 270M, four real histories of 12,288 tokens, "
+        "the real 4,096/8,192 tails, scored positions after the first seal)",
+    )
+    ev.add_argument("--history-tokens", type=int, default=None, help="1024 (seed: 12288)")
+    ev.add_argument("--scored-tokens", type=int, default=None, help="128 (seed: 256)")
     ev.add_argument("--mode", choices=["teacher", "greedy", "sample"], default="teacher")
     ev.add_argument("--arms", nargs="+", default=None, help="subset of arm names")
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
@@ -115,22 +122,37 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from sjkvarn.eval import evaluation, histories, models
 
+    seed = args.preset == "seed"
+    if args.history_tokens is None:
+        args.history_tokens = 12288 if seed else 1024
+    if args.scored_tokens is None:
+        args.scored_tokens = 256 if seed else 128
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
-    net, tok = models.load(args.model)
-    hist = [histories.from_file(p) for p in args.text] if args.text else histories.defaults()
+    net, tok = models.load(args.model if args.model or not seed else "gemma3")
+    if args.text:
+        hist = [histories.from_file(p) for p in args.text]
+    else:
+        hist = histories.seed_scale() if seed else histories.defaults()
     if args.task == "needles":
         return run_needles(args, net, tok, hist)
-    scale = args.history_tokens / 1024
+    if seed:
+        # The method's own tails: sealed records hold most of a 12K history.
+        sj_tail, kvarn_tail = (4096, 8192), 1024
+    else:
+        scale = args.history_tokens / 1024
+        sj_tail = (max(128, int(128 * scale)), max(256, int(256 * scale)))
+        kvarn_tail = max(64, int(64 * scale))
     settings = evaluation.EvalSettings(
         history_tokens=args.history_tokens,
         scored_tokens=args.scored_tokens,
         mode=args.mode,
         seed=args.seed,
         baseline=args.baseline,
-        sj_tail=(max(128, int(128 * scale)), max(256, int(256 * scale))),
-        kvarn_tail=max(64, int(64 * scale)),
+        sj_tail=sj_tail,
+        kvarn_tail=kvarn_tail,
         arms=args.arms,
+        preset=args.preset,
     )
     try:
         report = evaluation.evaluate(net, tok, hist, settings)

@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::cache::attention::attend;
 use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
-    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType, Staging,
+    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,
 };
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
 use std::path::PathBuf;
@@ -30,7 +30,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128, staging_budget=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -49,6 +49,7 @@ impl CacheSpec {
         flush_chunk: usize,
         sink_type: &str,
         sink: usize,
+        staging_budget: Option<f32>,
     ) -> PyResult<Self> {
         let mut config = build_config(
             layers,
@@ -58,7 +59,7 @@ impl CacheSpec {
             layer_coding,
             (min_tail, max_tail, max_chunk, max_tokens),
             (passes, mode, stat),
-            staging,
+            (staging, staging_budget),
         )?;
         config.flush_chunk = flush_chunk;
         config.sink = sink;
@@ -132,7 +133,8 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
             "std"
         },
     )?;
-    d.set_item("staging", c.staging.name())?;
+    d.set_item("staging", c.staging_name())?;
+    d.set_item("staging_budget", c.auto_staging)?;
     d.set_item(
         "sink_type",
         if c.sink_type == SinkType::Inherit {
@@ -155,8 +157,10 @@ fn build_config(
     layer_coding: Vec<(u32, u32, String, String)>,
     (min_tail, max_tail, max_chunk, max_tokens): (usize, usize, usize, usize),
     (passes, mode, stat): (u32, &str, &str),
-    staging: &str,
+    (staging, staging_budget): (&str, Option<f32>),
 ) -> PyResult<CacheConfig> {
+    let (k_staging, v_staging, auto_staging) =
+        sjkvarn::cache::config::parse_staging(staging, staging_budget).map_err(err)?;
     let layer_coding = layer_coding
         .iter()
         .map(|(k, v, kb, vb)| {
@@ -201,7 +205,9 @@ fn build_config(
         flush_chunk: 0,
         max_tokens,
         balance,
-        staging: Staging::from_name(staging).map_err(err)?,
+        k_staging,
+        v_staging,
+        auto_staging,
         sink: sjkvarn::cache::SINK,
         sink_type: SinkType::F16,
     };
@@ -381,6 +387,40 @@ impl Cache {
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (m, stats) = self.seq.with(py, |s| (s.memory(), s.pool().stats()))?;
         memory_dict(py, &m, &stats)
+    }
+
+    /// Per layer, what `staging="auto"` measured and picked (`None` for a fixed staging or a
+    /// layer nothing was appended to yet).
+    fn staging_report<'py>(&self, py: Python<'py>) -> PyResult<Vec<Option<Bound<'py, PyDict>>>> {
+        let picks = self.seq.with(py, |s| {
+            (0..s.config().layers)
+                .map(|l| s.staging_pick(l).map(|p| p.cloned()))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        picks
+            .map_err(err)?
+            .into_iter()
+            .map(|p| {
+                p.map(|p| {
+                    let d = PyDict::new(py);
+                    d.set_item("k", p.k.name())?;
+                    d.set_item("v", p.v.name())?;
+                    let names: Vec<&str> = sjkvarn::cache::auto_staging::CANDIDATES
+                        .iter()
+                        .map(|c| c.name())
+                        .collect();
+                    d.set_item("candidates", names)?;
+                    d.set_item("k_scores", p.k_scores.to_vec())?;
+                    d.set_item("v_scores", p.v_scores.to_vec())?;
+                    d.set_item("rows", p.rows)?;
+                    d.set_item("budget", p.budget)?;
+                    d.set_item("restored", p.restored)?;
+                    d.set_item("explanation", p.explain())?;
+                    Ok(d)
+                })
+                .transpose()
+            })
+            .collect()
     }
 
     /// The snapshot as bytes.

@@ -17,7 +17,7 @@
 
 use sjkvarn::body::BodyCoding;
 use sjkvarn::cache::attention::attend;
-use sjkvarn::cache::staging::RowCodec;
+use sjkvarn::cache::staging::RingRows;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
@@ -101,7 +101,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 
 /// Data checks of one sequence against its content stream (sampled positions).
 fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
-    let rows = RowCodec::new(cfg.staging, D);
+    let rows = RingRows::new(cfg.k_staging, cfg.v_staging, D);
     for layer in 0..LAYERS {
         let img = live.seq.layer_image(layer).expect("image");
         let len = img.len;
@@ -134,10 +134,10 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
             let (k, v) = content(live.stream, layer, p, 1);
             let idx = (p - SINK) % cfg.ring_rows();
             for h in 0..KV {
-                for (value, want) in [(0usize, &k), (1, &v)] {
-                    let at = ((idx * KV + h) * 2 + value) * rows.row_bytes();
+                for (value, want) in [(false, &k), (true, &v)] {
                     let mut row = vec![0.0f32; D];
-                    rows.decode(&img.ring[at..at + rows.row_bytes()], &mut row);
+                    let bytes = &img.ring[rows.range(idx * KV + h, value)];
+                    rows.side(value).decode(bytes, &mut row);
                     sjkvarn::codec::rotation::rotate_heads(&mut row, D).unwrap();
                     let e = rel_err(&row, &want[h * D..(h + 1) * D]);
                     assert!(e < 0.2, "ring position {p}: relative error {e}");

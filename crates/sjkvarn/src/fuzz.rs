@@ -163,7 +163,8 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     config.max_tail = b.pick(&[128usize, 256, 512, 100]);
     config.max_chunk = b.pick(&[1usize, 64, 128, 0]);
     config.max_tokens = b.pick(&[0usize, 200, 1500, 4096]);
-    config.staging = b.pick(&[Staging::Tq6, Staging::Q8_0, Staging::F16]);
+    config.k_staging = b.pick(&[Staging::Tq6, Staging::Q8_0, Staging::F16]);
+    config.v_staging = b.pick(&[Staging::Tq6, Staging::Q8_0, Staging::F16]);
     config.balance.passes = b.pick(&[0u32, 2, 16, 5000]);
     if let Err(e) = config.validate() {
         return Ok(format!("config err {}", variant(&e.to_string())));

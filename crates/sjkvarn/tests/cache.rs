@@ -16,7 +16,7 @@ fn small_config(staging: Staging, coding: LayerCoding) -> CacheConfig {
     c.min_tail = 128;
     c.max_tail = 384;
     c.max_chunk = 96;
-    c.staging = staging;
+    (c.k_staging, c.v_staging) = (staging, staging);
     c
 }
 

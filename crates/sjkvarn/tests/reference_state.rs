@@ -95,7 +95,7 @@ fn golden_configs() -> Vec<(&'static str, CacheConfig, u64)> {
     let mut t33 = config(3, 3, true);
     t33.flush_chunk = 1;
     let mut f44 = config(4, 4, false);
-    f44.staging = Staging::F16;
+    (f44.k_staging, f44.v_staging) = (Staging::F16, Staging::F16);
     f44.sink_type = SinkType::Inherit;
     f44.flush_chunk = 1;
     vec![

@@ -77,6 +77,33 @@ def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
     ]
 
 
+def seed_arms() -> list[Arm]:
+    """The seed-scale arms (`--preset seed`): the real 4,096/8,192 SJ-KVaRN tails, paper-faithful
+    KVarN with tail 0 and with its 1,024-token tail, and the flat formats people use."""
+    faithful = dict(staging="f16", passes=8, mode="best")
+    sj = dict(min_tail=4096, max_tail=8192)
+    kvarn = lambda k, v, tail: Arm(  # noqa: E731
+        f"KVarN {k}/{v} tail {tail}",
+        journal=dict(faithful, k_bits=k, v_bits=v, min_tail=tail, max_tail=tail + 128),
+    )
+    return [
+        kvarn(4, 4, 0),
+        kvarn(4, 4, 1024),
+        kvarn(3, 3, 0),
+        Arm("SJ-KVaRN 4/4", journal=dict(sj, k_bits=4, v_bits=4)),
+        Arm("SJ-KVaRN 4/4 auto ring", journal=dict(sj, k_bits=4, v_bits=4, staging="auto")),
+        Arm("SJ-KVaRN 3/3t", journal=dict(sj, k_bits=3, v_bits=3, body="trellis")),
+        Arm("SJ-KVaRN 3/2t", journal=dict(sj, k_bits=3, v_bits=2, body="trellis")),
+        Arm("q8_0/q8_0", "q8_0", "q8_0"),
+        Arm("q4_0/q4_0", "q4_0", "q4_0"),
+        Arm("q8_0/q5_1", "q8_0", "q5_1"),
+        Arm("tq5_0/turbo4", "tq5_0", "turbo4"),
+        Arm("turbo4/turbo4", "turbo4", "turbo4"),
+        Arm("turbo3/turbo3", "turbo3", "turbo3"),
+        Arm("tq6_0/tq6_0", "tq6_0", "tq6_0"),
+    ]
+
+
 class FlatLayer(hf.DynamicLayer):
     """A layer that stores every token's K and V through a flat codec (no exact tail)."""
 
@@ -107,6 +134,8 @@ class ArmResult:
     bits: list[float] = field(default_factory=list)
     allocated_bytes: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    sealed_fraction: list[float] = field(default_factory=list)
+    staging_picks: list[list[str | None]] = field(default_factory=list)
 
 
 def environment(histories: list[History]) -> dict[str, Any]:
@@ -145,12 +174,18 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def run_sequence(
-    model: Any, ids: torch.Tensor, score_from: int, arm: Arm | None, max_chunk: int = 256
+    model: Any,
+    ids: torch.Tensor,
+    score_from: int,
+    arm: Arm | None,
+    max_chunk: int = 256,
+    info: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, float, float]:
     """Runs ``ids`` through ``model`` with ``arm``'s cache (``None``: exact reference) and
     returns log-probs at positions ``score_from - 1 .. len - 2`` (predicting tokens
     ``score_from .. len - 1``), the occupied bits/value averaged over the scored positions and
-    the allocated cache bytes at the end."""
+    the allocated cache bytes at the end. For a journal arm, ``info`` (when given) receives the
+    share of tokens in sealed records at the end and what ``staging="auto"`` picked."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache as HFCache
 
@@ -171,7 +206,15 @@ def run_sequence(
     else:
         model.set_attn_implementation("sdpa")
         assert arm.k_format and arm.v_format
-        cache = HFCache(layers=[FlatLayer(arm.k_format, arm.v_format) for _ in range(layers)])
+        # Full-attention layers store through the flat codec; sliding-window layers keep
+        # transformers' own bounded storage, as they do in the journal arms.
+        own = hf._other_layers(model, layers)
+        cache = HFCache(
+            layers=[
+                FlatLayer(arm.k_format, arm.v_format) if layer is None else layer
+                for _, layer in own
+            ]
+        )
         bits = (
             codec.format_info(arm.k_format).bits_per_value
             + codec.format_info(arm.v_format).bits_per_value
@@ -194,7 +237,14 @@ def run_sequence(
     logp = torch.cat(out)
     if sj is not None:
         bits = bit_sum / logp.shape[0]
-        allocated = float(sj.sjkv.memory()["allocated_bytes"])
+        mem = sj.sjkv.memory()
+        allocated = float(mem["allocated_bytes"])
+        if info is not None:
+            held = mem["sealed_tokens"] + mem["ring_tokens"] + mem["sink_tokens"]
+            info["sealed_fraction"] = mem["sealed_tokens"] / max(held, 1)
+            picks = sj.sjkv.staging_report()
+            if any(p is not None for p in picks):
+                info["staging_picks"] = [p and p["k"] + "/" + p["v"] for p in picks]
     else:
         allocated = bits * values_per_token * total / 8
     return logp, bits, allocated
@@ -210,10 +260,14 @@ class ArmSettings:
     kvarn_tail: int = 64
     bootstrap: int = 2000
     arms: list[str] | None = None
+    preset: str = "default"
 
     def select_arms(self) -> list[Arm]:
-        """The default arms, or the named subset plus the baseline."""
-        arms = default_arms(self.sj_tail, self.kvarn_tail)
+        """The preset's arms, or the named subset plus the baseline."""
+        if self.preset == "seed":
+            arms = seed_arms()
+        else:
+            arms = default_arms(self.sj_tail, self.kvarn_tail)
         if self.arms:
             unknown = set(self.arms) - {a.name for a in arms}
             if unknown:
@@ -273,8 +327,13 @@ def evaluate(
         for arm in arms:
             bar.set_description(f"{history.name}: {arm.name}")
             start = time.perf_counter()
-            logp, bits, allocated = run_sequence(model, ids, score_from, arm)
+            info: dict[str, Any] = {}
+            logp, bits, allocated = run_sequence(model, ids, score_from, arm, info=info)
             r = results[arm.name]
+            if "sealed_fraction" in info:
+                r.sealed_fraction.append(info["sealed_fraction"])
+            if "staging_picks" in info:
+                r.staging_picks.append(info["staging_picks"])
             r.seconds += time.perf_counter() - start
             kl = stats.kl_per_position(ref, logp)
             r.kl.extend(kl.tolist())
@@ -303,6 +362,10 @@ def evaluate(
             seconds=r.seconds,
             positions=int(kl.size),
         )
+        if r.sealed_fraction:
+            entry["sealed_fraction"] = float(np.mean(r.sealed_fraction))
+        if r.staging_picks:
+            entry["staging_picks"] = r.staging_picks
         point, lo, hi = stats.bootstrap_ratio(kl, base, s.bootstrap, s.seed)
         entry["ratio"] = {"point": point, "ci_positions": [lo, hi]}
         if len(histories) > 1:
@@ -328,6 +391,26 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _regime_line(report: dict[str, Any]) -> str:
+    """Which regime the run measured: how much of the cache SJ-KVaRN held in sealed records,
+    and what `staging="auto"` picked."""
+    sj = report["arms"].get("SJ-KVaRN 4/4", {})
+    parts = []
+    if "sealed_fraction" in sj:
+        share = sj["sealed_fraction"]
+        regime = "sealed records hold most tokens" if share > 0.5 else "mostly the exact ring"
+        parts.append(
+            f"Regime: at the end of each history SJ-KVaRN 4/4 held {share:.0%} of the cached "
+            f"tokens of its full-attention layers in sealed records ({regime})."
+        )
+    for name, a in report["arms"].items():
+        if "staging_picks" in a:
+            picks = sorted({tuple(p) for p in a["staging_picks"]})
+            text = "; ".join(", ".join(str(x) for x in p) for p in picks)
+            parts.append(f"`{name}` staging per layer (K/V), per history: {text}.")
+    return " ".join(parts)
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     out = [
@@ -336,9 +419,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Histories: {', '.join(report['histories'])}; {s['history_tokens']} history tokens, "
         f"{s['scored_tokens']} scored positions each (mode `{s['mode']}`; distinct scored tokens "
         f"per history: {report['distinct_scored_tokens']}).",
-        f"Tails scaled to this context: SJ-KVaRN min/max tail {s['sj_tail'][0]}/{s['sj_tail'][1]} "
-        f"(4,096/8,192 at full scale), paper-faithful KVarN exact tail 0 and {s['kvarn_tail']} "
-        "(1,024 at full scale) after the 128-token sink.",
+        (
+            "The method's own tails: SJ-KVaRN min/max tail 4,096/8,192, paper-faithful KVarN "
+            "exact tail 0 and 1,024 after the 128-token sink."
+            if s.get("preset") == "seed"
+            else f"Tails scaled to this context: SJ-KVaRN min/max tail {s['sj_tail'][0]}/"
+            f"{s['sj_tail'][1]} (4,096/8,192 at full scale), paper-faithful KVarN exact tail 0 "
+            f"and {s['kvarn_tail']} (1,024 at full scale) after the 128-token sink."
+        ),
+        _regime_line(report),
         f"KL(p||q) in nats against the exact float32 cache; ratios are mean-KL ratios to "
         f"`{s['baseline']}` with paired bootstrap 95% CIs over positions"
         + (" and over histories." if len(report["histories"]) > 1 else "."),

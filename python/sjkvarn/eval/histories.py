@@ -36,28 +36,82 @@ def prose() -> History:
     return History("prose", text)
 
 
+def _transcript(question: str, modules: tuple[Any, ...]) -> str:
+    """An assistant answering ``question`` by reading ``modules`` through tool calls."""
+    turns = [
+        "<|im_start|>system\nYou are a coding agent with a read_file tool.<|im_end|>\n",
+        f"<|im_start|>user\n{question}<|im_end|>\n",
+    ]
+    for mod in modules:
+        path = Path(inspect.getfile(mod)).name
+        turns.append(
+            f'<|im_start|>assistant\n<tool_call>read_file("{path}")</tool_call><|im_end|>\n'
+        )
+        turns.append(f"<|im_start|>tool\n{inspect.getsource(mod)}<|im_end|>\n")
+    return "".join(turns)
+
+
 def agentic() -> History:
     """A transcript of an assistant reading stdlib files through tool calls."""
     import fnmatch
     import glob
     import shlex
 
-    turns = [
-        "<|im_start|>system\nYou are a coding agent with a read_file tool.<|im_end|>\n",
-        "<|im_start|>user\nExplain how glob patterns are matched in the standard library."
-        "<|im_end|>\n",
-    ]
-    for mod in (glob, fnmatch, shlex):
-        path = Path(inspect.getfile(mod)).name
-        turns.append(
-            f'<|im_start|>assistant\n<tool_call>read_file("{path}")</tool_call><|im_end|>\n'
-        )
-        turns.append(f"<|im_start|>tool\n{inspect.getsource(mod)}<|im_end|>\n")
-    return History("agentic", "".join(turns))
+    question = "Explain how glob patterns are matched in the standard library."
+    return History("agentic", _transcript(question, (glob, fnmatch, shlex)))
 
 
 def defaults() -> list[History]:
     return [coding(), prose(), agentic()]
+
+
+# Seed-scale histories (`sjkvarn eval --preset seed`): each holds well over 16K tokens of one
+# kind of real text (about 4 characters per token for code, 4.5 for prose).
+
+
+def long_coding() -> History:
+    """Standard-library source code: argparse, dataclasses and configparser (~55K tokens)."""
+    import argparse
+    import configparser
+    import dataclasses
+
+    return History("code", _source(argparse, dataclasses, configparser))
+
+
+def long_prose() -> History:
+    """The Python language reference's prose, as ``pydoc`` ships it (``pydoc_data.topics``)."""
+    from pydoc_data.topics import topics
+
+    return History("prose", "\n\n".join(topics[k] for k in sorted(topics)))
+
+
+def long_docs() -> History:
+    """``pydoc`` renderings of standard-library modules: signatures, docstrings, tables."""
+    import collections
+    import functools
+    import itertools
+    import pathlib
+    import string
+
+    modules = (collections, pathlib, functools, itertools, string)
+    text = "\n".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in modules)
+    return History("docs", text)
+
+
+def long_agentic() -> History:
+    """A tool-call transcript: an assistant reading logging, shlex, glob and fnmatch."""
+    import fnmatch
+    import glob
+    import logging
+    import shlex
+
+    question = "Find out how logging handlers are configured and how shell words are split."
+    return History("tool-calls", _transcript(question, (logging, shlex, glob, fnmatch)))
+
+
+def seed_scale() -> list[History]:
+    """The four histories of the seed-scale run: code, prose, docs and a tool-call transcript."""
+    return [long_coding(), long_prose(), long_docs(), long_agentic()]
 
 
 def from_file(path: str | Path) -> History:

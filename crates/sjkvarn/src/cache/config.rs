@@ -59,8 +59,35 @@ impl Staging {
             "q8_0" => Ok(Staging::Q8_0),
             "f16" | "fp16" => Ok(Staging::F16),
             _ => Err(CacheError::InvalidConfig(format!(
-                "staging must be 'tq6_0', 'q8_0' or 'f16', got '{name}'"
+                "staging must be 'tq6_0', 'q8_0', 'f16', 'K/V' (e.g. 'q8_0/tq6_0') or 'auto', \
+                 got '{name}'"
             ))),
+        }
+    }
+}
+
+/// The ring staging a user writes: `"tq6_0"`, `"q8_0"`, `"f16"` (keys and values), `"K/V"`
+/// (e.g. `"q8_0/tq6_0"`: keys and values apart) or `"auto"` (each layer measures its own first
+/// rows; `budget` defaults to [`super::auto_staging::DEFAULT_BUDGET`]). Returns the K and V
+/// staging and the auto budget.
+pub fn parse_staging(
+    spec: &str,
+    budget: Option<f32>,
+) -> CacheResult<(Staging, Staging, Option<f32>)> {
+    if spec == "auto" {
+        let budget = budget.unwrap_or(super::auto_staging::DEFAULT_BUDGET);
+        return Ok((Staging::Tq6, Staging::Tq6, Some(budget)));
+    }
+    if budget.is_some() {
+        return Err(CacheError::InvalidConfig(format!(
+            "a staging budget only applies to staging 'auto' (staging is '{spec}')"
+        )));
+    }
+    match spec.split_once('/') {
+        Some((k, v)) => Ok((Staging::from_name(k)?, Staging::from_name(v)?, None)),
+        None => {
+            let s = Staging::from_name(spec)?;
+            Ok((s, s, None))
         }
     }
 }
@@ -97,7 +124,14 @@ pub struct CacheConfig {
     /// Largest sequence length.
     pub max_tokens: usize,
     pub balance: BalanceConfig,
-    pub staging: Staging,
+    /// How ring rows of keys and of values are stored (they may differ, e.g. `q8_0` keys with
+    /// `tq6_0` values); ignored while `auto_staging` is set.
+    pub k_staging: Staging,
+    pub v_staging: Staging,
+    /// `Some(budget)`: every layer picks its own K and V staging at its first append, the
+    /// smallest type whose measured error stays within `budget` (see
+    /// [`super::auto_staging`]).
+    pub auto_staging: Option<f32>,
     /// Leading positions kept exact (the reference's `sink`: a non-zero multiple of 64).
     pub sink: usize,
     pub sink_type: SinkType,
@@ -126,7 +160,9 @@ impl CacheConfig {
             flush_chunk: 0,
             max_tokens,
             balance: BalanceConfig::default(),
-            staging: Staging::Tq6,
+            k_staging: Staging::Tq6,
+            v_staging: Staging::Tq6,
+            auto_staging: None,
             sink: SINK,
             sink_type: SinkType::F16,
         }
@@ -163,11 +199,22 @@ impl CacheConfig {
                 self.sink
             ));
         }
-        if self.sink_type == SinkType::Inherit && self.staging != Staging::F16 {
+        if self.sink_type == SinkType::Inherit
+            && (self.auto_staging.is_some()
+                || self.k_staging != Staging::F16
+                || self.v_staging != Staging::F16)
+        {
             return bad(format!(
                 "an inherited sink is supported with f16 staging only (staging is {})",
-                self.staging.name()
+                self.staging_name()
             ));
+        }
+        if let Some(budget) = self.auto_staging {
+            if !(budget.is_finite() && budget > 0.0 && budget < 1.0) {
+                return bad(format!(
+                    "the auto staging budget must be in (0, 1), got {budget}"
+                ));
+            }
         }
         if self.max_tail != 0 && self.max_tail < self.min_tail {
             return bad(format!(
@@ -247,13 +294,37 @@ impl CacheConfig {
         uniform
             && tails
             && self.head_dim.is_multiple_of(128)
-            && self.staging != Staging::Q8_0
+            && self.has_reference_staging()
             && (0..self.layers).all(|l| self.body_codec(l).is_reference())
+    }
+
+    /// Whether the ring uses one reference staging type for keys and values (`tq6_0` or
+    /// `f16`): the reference has one staging type per cache and no `q8_0`.
+    pub fn has_reference_staging(&self) -> bool {
+        self.auto_staging.is_none()
+            && self.k_staging == self.v_staging
+            && self.k_staging != Staging::Q8_0
+    }
+
+    /// The staging as users write it: one type, `K/V` types, or `auto`.
+    pub fn staging_name(&self) -> String {
+        if self.auto_staging.is_some() {
+            "auto".into()
+        } else if self.k_staging == self.v_staging {
+            self.k_staging.name().into()
+        } else {
+            format!("{}/{}", self.k_staging.name(), self.v_staging.name())
+        }
     }
 
     /// Query heads per KV head.
     pub fn group_size(&self) -> usize {
         self.q_heads / self.kv_heads
+    }
+
+    /// Bytes of one layer's ring stored as `rows`.
+    pub fn ring_bytes(&self, rows: super::staging::RingRows) -> usize {
+        self.ring_rows() * self.kv_heads * rows.entry_bytes()
     }
 
     /// Ring rows allocated per layer (see [`Rules::ring_rows`]).

@@ -3,12 +3,14 @@
 //!
 //! * [`config`]: geometry, per-layer coding, tail sizes, staging precision; validated.
 //! * [`pool`]: fixed-size, reference-counted record slots shared across sequences.
-//! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16).
+//! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16, keys and values apart).
+//! * [`auto_staging`]: `staging = "auto"`, each layer's pick measured on its own rows.
 //! * [`sequence`]: one sequence's journal per layer: append, seal, truncate, fork, accounting.
 //! * [`attention`]: one-pass CPU attention over sink, body and ring.
 //! * [`snapshot`]: versioned, checksummed save and load.
 
 pub mod attention;
+pub mod auto_staging;
 pub mod config;
 #[doc(hidden)]
 pub mod faults;

@@ -9,9 +9,10 @@
 //! validates and reserves what it needs before it changes anything, so a failed call leaves the
 //! cache as it was.
 
-use super::config::CacheConfig;
+use super::auto_staging::{self, StagingPick};
+use super::config::{CacheConfig, Staging};
 use super::pool::{RecordPool, SlotId};
-use super::staging::RowCodec;
+use super::staging::RingRows;
 use super::{CacheError, CacheResult};
 use crate::body::GROUP;
 use crate::codec::fp16::f32_to_f16;
@@ -53,6 +54,11 @@ fn zeroed_bytes(n: usize, what: &'static str) -> CacheResult<Vec<u8>> {
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
+/// A zeroed ring of `n` bytes (see [`zeroed_bytes`]).
+pub(crate) fn zeroed_ring(n: usize) -> CacheResult<Vec<u8>> {
+    zeroed_bytes(n, "staging ring")
+}
+
 /// Staged rows of an append in progress: row `(pos - first) * kv_heads + head` (K, V).
 #[derive(Clone, Copy)]
 struct StagedRows<'a> {
@@ -74,9 +80,15 @@ pub(crate) struct LayerJournal {
     /// `[sink][kv_heads][D]`, rotated frame.
     pub(crate) sink_k: Vec<f16>,
     pub(crate) sink_v: Vec<f16>,
-    /// `[ring_rows][kv_heads][K, V][row_bytes]`.
+    /// `[ring_rows][kv_heads][K row, V row]` (see [`RingRows`]); empty while `auto` staging
+    /// has not picked yet.
     pub(crate) ring: Vec<u8>,
     pub(crate) blocks: Vec<SlotId>,
+    /// How this layer's ring rows are stored.
+    pub(crate) rows: RingRows,
+    /// What `auto` staging measured and picked (`None` for a fixed staging, or before the
+    /// layer's first append).
+    pub(crate) pick: Option<StagingPick>,
 }
 
 impl LayerJournal {
@@ -143,7 +155,6 @@ pub struct LayerImage {
 pub struct Sequence {
     pub(crate) config: Arc<CacheConfig>,
     pub(crate) pool: Arc<RecordPool>,
-    pub(crate) rows: RowCodec,
     pub(crate) layers: Vec<LayerJournal>,
 }
 
@@ -166,9 +177,13 @@ impl Sequence {
                 config.slot_bytes()
             )));
         }
-        let rows = RowCodec::new(config.staging, config.head_dim);
+        let rows = RingRows::new(config.k_staging, config.v_staging, config.head_dim);
         let per_pos = config.kv_heads * config.head_dim;
-        let ring = config.ring_rows() * config.kv_heads * 2 * rows.row_bytes();
+        // An `auto` ring is allocated when its layer picks (its first append).
+        let ring = match config.auto_staging {
+            Some(_) => 0,
+            None => config.ring_bytes(rows),
+        };
         // Fallible allocation: a configuration too large for this machine is an error, never an
         // abort of the host process.
         let mut layers = Vec::new();
@@ -188,13 +203,14 @@ impl Sequence {
                 sink_v: zeroed(config.sink * per_pos, f16::ZERO, "fp16 sink")?,
                 ring: zeroed_bytes(ring, "staging ring")?,
                 blocks: Vec::new(),
+                rows,
+                pick: None,
             });
         }
         Ok(Self {
             layers,
             config,
             pool,
-            rows,
         })
     }
 
@@ -258,11 +274,27 @@ impl Sequence {
     }
 
     #[inline(always)]
-    fn ring_row_range(&self, pos: usize, head: usize, value: bool) -> std::ops::Range<usize> {
-        let rb = self.rows.row_bytes();
-        let start =
-            ((self.ring_index(pos) * self.config.kv_heads + head) * 2 + value as usize) * rb;
-        start..start + rb
+    fn ring_row_range(
+        &self,
+        layer: &LayerJournal,
+        pos: usize,
+        head: usize,
+        value: bool,
+    ) -> std::ops::Range<usize> {
+        let entry = self.ring_index(pos) * self.config.kv_heads + head;
+        layer.rows.range(entry, value)
+    }
+
+    /// What `auto` staging picked for `layer` (`None`: fixed staging, or nothing appended yet).
+    pub fn staging_pick(&self, layer: usize) -> CacheResult<Option<&StagingPick>> {
+        Ok(self.layer(layer)?.pick.as_ref())
+    }
+
+    /// The K and V staging types `layer` uses (`None` while `auto` has not picked).
+    pub fn layer_staging(&self, layer: usize) -> CacheResult<Option<(Staging, Staging)>> {
+        let l = self.layer(layer)?;
+        let undecided = self.config.auto_staging.is_some() && l.pick.is_none();
+        Ok((!undecided).then_some((l.rows.k.staging, l.rows.v.staging)))
     }
 
     /// Hints the cache to fetch ring position `pos` of `head` (its K and V rows are adjacent):
@@ -270,8 +302,11 @@ impl Sequence {
     /// stride prefetch to keep up, so the attention loop asks a few positions ahead.
     #[inline(always)]
     pub(crate) fn prefetch_ring(&self, layer: &LayerJournal, pos: usize, head: usize) {
-        let k = self.ring_row_range(pos, head, false);
-        prefetch_l2(&layer.ring[k.start..k.end + self.rows.row_bytes()]);
+        let (k, v) = (
+            self.ring_row_range(layer, pos, head, false),
+            self.ring_row_range(layer, pos, head, true),
+        );
+        prefetch_l2(&layer.ring[k.start..v.end]);
     }
 
     /// Decodes ring row `pos` of `head` (K or V) into `out`, in the staging frame.
@@ -284,8 +319,10 @@ impl Sequence {
         value: bool,
         out: &mut [f32],
     ) {
-        self.rows
-            .decode(&layer.ring[self.ring_row_range(pos, head, value)], out);
+        layer.rows.side(value).decode(
+            &layer.ring[self.ring_row_range(layer, pos, head, value)],
+            out,
+        );
     }
 
     /// Appends `n` tokens of post-RoPE K and V (`[n][kv_heads][head_dim]`, model frame) to
@@ -327,23 +364,36 @@ impl Sequence {
         let start = l.len;
 
         // 1. Rotate and stage every row first (the only codec step that can reject the input).
-        let rb = self.rows.row_bytes();
+        let (mut rk, mut rv) = (k.to_vec(), v.to_vec());
+        if !rotated {
+            rotate_heads(&mut rk, d)?;
+            rotate_heads(&mut rv, d)?;
+        }
+        // `auto` staging picks on the layer's first rows; its ring is allocated here and only
+        // installed at the commit below, so a refused append changes nothing.
+        let mut picked = None;
+        let rows = match cfg.auto_staging {
+            Some(budget) if l.pick.is_none() => {
+                let p = auto_staging::pick(&rk, &rv, h, d, budget);
+                let rows = RingRows::new(p.k, p.v, d);
+                let ring = zeroed_bytes(cfg.ring_bytes(rows), "staging ring")?;
+                picked = Some((p, ring));
+                rows
+            }
+            _ => l.rows,
+        };
         let mut sink_k = Vec::new();
         let mut sink_v = Vec::new();
         let ring_tokens = (start + n).saturating_sub(sink.max(start));
-        let mut staged = vec![0u8; ring_tokens * h * 2 * rb];
-        let mut rot = vec![0.0f32; d];
+        let mut staged = vec![0u8; ring_tokens * h * rows.entry_bytes()];
         for t in 0..n {
             let pos = start + t;
             for head in 0..h {
-                for (value, src) in [(false, k), (true, v)] {
-                    rot.copy_from_slice(&src[(t * h + head) * d..(t * h + head + 1) * d]);
-                    if !rotated {
-                        rotate_heads(&mut rot, d)?;
-                    }
+                for (value, src) in [(false, &rk), (true, &rv)] {
+                    let rot = &src[(t * h + head) * d..(t * h + head + 1) * d];
                     if pos < sink {
                         let dst = if value { &mut sink_v } else { &mut sink_k };
-                        for &xv in &rot {
+                        for &xv in rot {
                             let hv = f16::from_f32(xv);
                             if !hv.is_finite() {
                                 return Err(crate::CodecError::ScaleOverflow {
@@ -355,9 +405,9 @@ impl Sequence {
                             dst.push(hv);
                         }
                     } else {
-                        let row = ((pos - sink.max(start)) * h + head) * 2 + value as usize;
-                        self.rows
-                            .encode(&rot, &mut staged[row * rb..(row + 1) * rb])?;
+                        let entry = (pos - sink.max(start)) * h + head;
+                        rows.side(value)
+                            .encode(rot, &mut staged[rows.range(entry, value)])?;
                     }
                 }
             }
@@ -378,7 +428,7 @@ impl Sequence {
                 bytes: &staged,
                 first: sink.max(start),
             });
-            match self.encode_groups(layer, from, c.state.sealed, staged_rows) {
+            match self.encode_groups(layer, from, c.state.sealed, staged_rows, rows) {
                 Ok(records) => sealed_records.push(records),
                 Err(e) => {
                     self.pool.release(&slots.collect::<Vec<_>>());
@@ -389,6 +439,10 @@ impl Sequence {
         }
 
         // 4. Commit, ubatch by ubatch: seals then ring writes. Nothing below can fail.
+        if let Some((p, ring)) = picked {
+            let lj = &mut self.layers[layer];
+            (lj.rows, lj.ring, lj.pick) = (rows, ring, Some(p));
+        }
         let mut written = 0usize;
         for (c, records) in plan.into_iter().zip(sealed_records) {
             let from = self.layers[layer].sealed;
@@ -409,10 +463,10 @@ impl Sequence {
                     let r = pos - sink.max(start);
                     for head in 0..h {
                         for value in [false, true] {
-                            let row = (r * h + head) * 2 + value as usize;
-                            let dst = self.ring_row_range(pos, head, value);
+                            let src = rows.range(r * h + head, value);
+                            let dst = self.ring_row_range(&self.layers[layer], pos, head, value);
                             let lj = &mut self.layers[layer];
-                            lj.ring[dst].copy_from_slice(&staged[row * rb..(row + 1) * rb]);
+                            lj.ring[dst].copy_from_slice(&staged[src]);
                         }
                     }
                 }
@@ -432,12 +486,12 @@ impl Sequence {
         from: usize,
         to: usize,
         staged: Option<StagedRows<'_>>,
+        rows: RingRows,
     ) -> CacheResult<Vec<Vec<u8>>> {
         let cfg = &self.config;
         let codec = cfg.body_codec(layer);
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let rb = codec.record_bytes();
-        let row_bytes = self.rows.row_bytes();
         let lj = &self.layers[layer];
         let records: Vec<CacheResult<Vec<u8>>> = (from..to)
             .into_par_iter()
@@ -454,9 +508,9 @@ impl Sequence {
                             let out = &mut tile[t * d..(t + 1) * d];
                             match staged {
                                 Some(s) if pos >= s.first => {
-                                    let row = ((pos - s.first) * h + head) * 2 + value as usize;
-                                    let bytes = &s.bytes[row * row_bytes..(row + 1) * row_bytes];
-                                    self.rows.decode(bytes, out);
+                                    let entry = (pos - s.first) * h + head;
+                                    let bytes = &s.bytes[rows.range(entry, value)];
+                                    rows.side(value).decode(bytes, out);
                                 }
                                 _ => self.ring_row(lj, pos, head, value, out),
                             }
@@ -503,7 +557,7 @@ impl Sequence {
             .reserve(plan.iter().map(|(_, a, b)| b.sealed - a.sealed).sum())?;
         let mut encoded = Vec::with_capacity(plan.len());
         for &(layer, from, to) in &plan {
-            match self.encode_groups(layer, from.sealed, to.sealed, None) {
+            match self.encode_groups(layer, from.sealed, to.sealed, None, self.layers[layer].rows) {
                 Ok(records) => encoded.push(records),
                 Err(e) => {
                     self.pool.release(&slots);
@@ -551,7 +605,6 @@ impl Sequence {
         Sequence {
             config: self.config.clone(),
             pool: self.pool.clone(),
-            rows: self.rows,
             layers: self.layers.clone(),
         }
     }
@@ -635,7 +688,11 @@ impl Sequence {
 
     /// Allocated bytes per region and occupied effective bits per value.
     pub fn memory(&self) -> MemoryReport {
-        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
+        let lens: Vec<(usize, usize, f64)> = self
+            .layers
+            .iter()
+            .map(|l| (l.len, l.sealed, l.rows.bits_per_value()))
+            .collect();
         let ring_bytes = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
         memory_report(
@@ -647,26 +704,24 @@ impl Sequence {
     }
 }
 
-/// The memory report of a journal whose layers hold `(len, sealed)` (any backend).
+/// The memory report of a journal whose layers hold `(len, sealed, ring bits per value)` (any
+/// backend).
 pub fn memory_report(
     cfg: &CacheConfig,
-    layers: &[(usize, usize)],
+    layers: &[(usize, usize, f64)],
     ring_bytes: usize,
     body_bytes: usize,
 ) -> MemoryReport {
-    let rows = RowCodec::new(cfg.staging, cfg.head_dim);
     let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
     let sink_bytes = cfg.layers * cfg.sink * per_pos_values * 2;
     let (mut bits, mut values) = (0.0f64, 0.0f64);
     let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
-    for (i, &(len, sealed)) in layers.iter().enumerate() {
+    for (i, &(len, sealed, ring_bits)) in layers.iter().enumerate() {
         let spec = cfg.body_codec(i);
         let sink = len.min(cfg.sink);
         let body = sealed * GROUP;
         let ring = len - sink - body;
-        bits += sink as f64 * 16.0
-            + body as f64 * spec.bits_per_value()
-            + ring as f64 * rows.bits_per_value();
+        bits += sink as f64 * 16.0 + body as f64 * spec.bits_per_value() + ring as f64 * ring_bits;
         values += len as f64;
         sealed_tokens += body;
         ring_tokens += ring;

@@ -18,10 +18,11 @@
 //! Files are written to a temporary name, synced, then renamed, so an interrupted save never
 //! replaces a good file.
 
+use super::auto_staging::StagingPick;
 use super::config::{CacheConfig, LayerCoding, SinkType, Staging};
 use super::pool::{RecordPool, SlotId};
 use super::sequence::Sequence;
-use super::staging::RowCodec;
+use super::staging::RingRows;
 use super::{CacheError, CacheResult};
 use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
 use crate::body::{BodyCoding, TrellisAxis, GROUP};
@@ -40,6 +41,60 @@ pub const VERSION: u32 = 2;
 pub const BODY_EXTENSION: u32 = 224;
 /// Header staging code of `q8_0` rings (not a reference staging type).
 pub const STAGING_Q8_0: u32 = 2;
+/// Header staging codes of rings whose keys and values use different types (extension):
+/// `STAGING_SIDES + 16 * code(K) + code(V)`.
+pub const STAGING_SIDES: u32 = 0x100;
+
+/// The one-type header code of `s`.
+fn side_code(s: Staging) -> u32 {
+    match s {
+        Staging::Tq6 => journal::state::STAGING_TQ6_0,
+        Staging::F16 => journal::state::STAGING_F16,
+        Staging::Q8_0 => STAGING_Q8_0,
+    }
+}
+
+fn side_of(code: u32) -> Option<Staging> {
+    [Staging::Tq6, Staging::F16, Staging::Q8_0]
+        .into_iter()
+        .find(|&s| side_code(s) == code)
+}
+
+/// The header staging code of a ring stored as `rows`.
+pub fn staging_code(rows: RingRows) -> u32 {
+    let (k, v) = (rows.k.staging, rows.v.staging);
+    if k == v {
+        side_code(k)
+    } else {
+        STAGING_SIDES + 16 * side_code(k) + side_code(v)
+    }
+}
+
+/// The K and V staging of a header staging code.
+pub fn staging_of_code(code: u32) -> Option<(Staging, Staging)> {
+    if let Some(s) = side_of(code) {
+        return Some((s, s));
+    }
+    let sides = code.checked_sub(STAGING_SIDES).filter(|&c| c < 256)?;
+    Some((side_of(sides / 16)?, side_of(sides % 16)?))
+}
+
+fn staging_byte(s: Staging) -> u8 {
+    match s {
+        Staging::Tq6 => 0,
+        Staging::Q8_0 => 1,
+        Staging::F16 => 2,
+    }
+}
+
+fn staging_of_byte(b: u8) -> CacheResult<Staging> {
+    match b {
+        0 => Ok(Staging::Tq6),
+        1 => Ok(Staging::Q8_0),
+        2 => Ok(Staging::F16),
+        _ => Err(corrupt("unknown staging")),
+    }
+}
 
 /// FNV-1a, 64-bit: small, dependency-free and enough to catch corruption (not tampering).
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -126,11 +181,21 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
     }
     w.u8((c.sink_type == SinkType::Inherit) as u8);
     w.u64(c.sink);
-    w.u8(match c.staging {
-        Staging::Tq6 => 0,
-        Staging::Q8_0 => 1,
-        Staging::F16 => 2,
-    });
+    // One byte for one type (as version-2 files always held); 3 then K and V bytes for
+    // different types; 4 then the budget's f32 bits for `auto` (each layer's pick is in its
+    // stream's header).
+    match c.auto_staging {
+        Some(budget) => {
+            w.u8(4);
+            w.u32(budget.to_bits() as usize);
+        }
+        None if c.k_staging == c.v_staging => w.u8(staging_byte(c.k_staging)),
+        None => {
+            w.u8(3);
+            w.u8(staging_byte(c.k_staging));
+            w.u8(staging_byte(c.v_staging));
+        }
+    }
     w.u32(c.balance.passes as usize);
     w.u8((c.balance.mode == BalanceMode::Best) as u8);
     w.u8((c.balance.stat == BalanceStat::Rms) as u8);
@@ -152,11 +217,16 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         _ => return Err(corrupt("unknown sink type")),
     };
     let sink = r.u64()?;
-    let staging = match r.u8()? {
-        0 => Staging::Tq6,
-        1 => Staging::Q8_0,
-        2 => Staging::F16,
-        _ => return Err(corrupt("unknown staging")),
+    let (k_staging, v_staging, auto_staging) = match r.u8()? {
+        3 => (staging_of_byte(r.u8()?)?, staging_of_byte(r.u8()?)?, None),
+        4 => {
+            let budget = f32::from_bits(r.u32()? as u32);
+            (Staging::Tq6, Staging::Tq6, Some(budget))
+        }
+        b => {
+            let s = staging_of_byte(b)?;
+            (s, s, None)
+        }
     };
     let balance = BalanceConfig {
         passes: r.u32()? as u32,
@@ -195,7 +265,9 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         flush_chunk,
         max_tokens,
         balance,
-        staging,
+        k_staging,
+        v_staging,
+        auto_staging,
         sink,
         sink_type,
     };
@@ -206,16 +278,18 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
 }
 
 impl CacheConfig {
-    /// The `SJKVSEQ` identity of the whole configuration, the size of one (largest) record and
-    /// of one staged row of one side.
+    /// The `SJKVSEQ` identity of the whole configuration (a fixed staging), the size of one
+    /// (largest) record and of one tail row (K and V).
     pub fn state_identity(&self) -> (StateIdentity, usize, usize) {
         let all: Vec<usize> = (0..self.layers).collect();
-        self.state_identity_of(&all)
+        let rows = RingRows::new(self.k_staging, self.v_staging, self.head_dim);
+        self.state_identity_of(&all, rows)
     }
 
-    /// The identity of a stream holding `layers` (reference codes when those layers share one
-    /// reference coding and the staging is a reference type, extension codes otherwise).
-    fn state_identity_of(&self, layers: &[usize]) -> (StateIdentity, usize, usize) {
+    /// The identity of a stream holding `layers` whose rings are stored as `rows` (reference
+    /// codes when those layers share one reference coding and one reference staging type,
+    /// extension codes otherwise).
+    fn state_identity_of(&self, layers: &[usize], rows: RingRows) -> (StateIdentity, usize, usize) {
         let lc = self.layer_coding[layers[0]];
         let codec = self.body_codec(layers[0]);
         let uniform = layers.iter().all(|&l| self.layer_coding[l] == lc);
@@ -224,7 +298,8 @@ impl CacheConfig {
             && self.max_tail.is_multiple_of(128)
             && codec.is_reference()
             && self.head_dim.is_multiple_of(128)
-            && self.staging != Staging::Q8_0;
+            && rows.k == rows.v
+            && rows.k.staging != Staging::Q8_0;
         let body = match &codec {
             BodyCodec::Reference { layout, .. } => layout.body,
             _ => Body::Scalar,
@@ -260,19 +335,14 @@ impl CacheConfig {
                 BODY_EXTENSION
             },
             iters: self.balance.passes,
-            staging: match self.staging {
-                Staging::Tq6 => journal::state::STAGING_TQ6_0,
-                Staging::F16 => journal::state::STAGING_F16,
-                Staging::Q8_0 => STAGING_Q8_0,
-            },
+            staging: staging_code(rows),
             tail: self.min_tail as u32,
             tail_max: self.max_tail as u32,
             flush_chunk: self.flush_chunk as u32,
             codebook_id,
             n_layers: layers.len() as u32,
         };
-        let rows = RowCodec::new(self.staging, self.head_dim);
-        (id, record_bytes, rows.row_bytes())
+        (id, record_bytes, rows.entry_bytes())
     }
 }
 
@@ -296,7 +366,15 @@ impl Sequence {
             ));
         }
         let cfg = self.config.clone();
-        let (identity, record_bytes, stage) = cfg.state_identity_of(layers);
+        let rows = self.layers[layers[0]].rows;
+        if layers.iter().any(|&l| self.layers[l].rows != rows) {
+            return Err(CacheError::Snapshot(
+                "layers stage their rings in different types (auto staging picked per layer); \
+                 save a snapshot file instead, which holds one stream per layer"
+                    .into(),
+            ));
+        }
+        let (identity, record_bytes, stage) = cfg.state_identity_of(layers, rows);
         let header = StateHeader {
             identity,
             n: first.len as u32,
@@ -330,8 +408,8 @@ impl Sequence {
             StateItem::TailRow { layer, pos, head } => {
                 let l = &self.layers[layers[layer as usize]];
                 let slot = (pos as usize - cfg.sink) % ring_rows;
-                let at = (slot * h + head as usize) * 2 * stage;
-                dst.copy_from_slice(&l.ring[at..at + 2 * stage]);
+                let at = (slot * h + head as usize) * stage;
+                dst.copy_from_slice(&l.ring[at..at + stage]);
             }
         };
         Ok(journal::write_state_vec(
@@ -361,8 +439,20 @@ impl Sequence {
     /// Fills the (empty) `layers` of this sequence from a stream holding exactly them.
     fn read_layers(&mut self, layers: &[usize], bytes: &[u8]) -> CacheResult<()> {
         let config = self.config.clone();
-        let (identity, record_bytes, stage) = config.state_identity_of(layers);
         let info = journal::peek(bytes)?;
+        // An `auto` cache takes each layer's staging from the stream (a layer that held nothing
+        // has not picked yet and stays so); a fixed one must match it.
+        let mut rows = self.layers[layers[0]].rows;
+        let mut restored = None;
+        if config.auto_staging.is_some() && info.header.n > 0 {
+            let (k, v) = staging_of_code(info.header.identity.staging)
+                .ok_or_else(|| corrupt("unknown staging code in the stream"))?;
+            rows = RingRows::new(k, v, config.head_dim);
+            restored = Some(crate::cache::sequence::zeroed_ring(
+                config.ring_bytes(rows),
+            )?);
+        }
+        let (identity, record_bytes, stage) = config.state_identity_of(layers, rows);
         journal::check_identity(&info, &identity, record_bytes, stage)?;
         let groups_cap = config
             .max_tokens
@@ -383,6 +473,13 @@ impl Sequence {
         let n_rec = ((hd.b - hd.identity.sink) / hd.identity.group) as usize;
         let slot_bytes = config.slot_bytes();
         let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * layers.len()];
+        if let Some(ring) = restored {
+            for &l in layers {
+                let lj = &mut self.layers[l];
+                (lj.rows, lj.ring) = (rows, ring.clone());
+                lj.pick = Some(StagingPick::restored(rows.k.staging, rows.v.staging));
+            }
+        }
         let journals = &mut self.layers;
         journal::walk_payload(bytes, &info, record_bytes, stage, |item, src| match item {
             StateItem::SinkRow { layer, pos, head } => {
@@ -406,8 +503,8 @@ impl Sequence {
             StateItem::TailRow { layer, pos, head } => {
                 let l = &mut journals[layers[layer as usize]];
                 let slot = (pos as usize - config.sink) % ring_rows;
-                let at = (slot * h + head as usize) * 2 * stage;
-                l.ring[at..at + 2 * stage].copy_from_slice(src);
+                let at = (slot * h + head as usize) * stage;
+                l.ring[at..at + stage].copy_from_slice(src);
             }
         })?;
         let ids: Vec<SlotId> = self.pool.reserve(slots.len())?;

@@ -2,7 +2,7 @@
 //!
 //! Every staging type holds Hadamard-rotated rows, as the reference does: `tq6_0` (the
 //! reference's 98-byte blocks; a 64-wide head uses the 50-byte extension block), rotated fp16,
-//! and the `q8_0` extension.
+//! and the `q8_0` extension. Keys and values may use different types ([`RingRows`]).
 
 use super::config::Staging;
 use crate::codec::tq6;
@@ -110,5 +110,50 @@ impl RowCodec {
                 }
             }
         }
+    }
+}
+
+/// The row codecs of one layer's ring: keys and values may be staged in different types. One
+/// ring entry (a position of one KV head) is the K row followed by the V row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingRows {
+    pub k: RowCodec,
+    pub v: RowCodec,
+}
+
+impl RingRows {
+    pub fn new(k: Staging, v: Staging, head_dim: usize) -> Self {
+        Self {
+            k: RowCodec::new(k, head_dim),
+            v: RowCodec::new(v, head_dim),
+        }
+    }
+
+    /// The codec of the K (`value = false`) or V side.
+    #[inline(always)]
+    pub fn side(&self, value: bool) -> RowCodec {
+        if value {
+            self.v
+        } else {
+            self.k
+        }
+    }
+
+    /// Bytes of one entry (K row + V row).
+    #[inline(always)]
+    pub fn entry_bytes(&self) -> usize {
+        self.k.row_bytes() + self.v.row_bytes()
+    }
+
+    /// Where the K or V row of entry `entry` lies in a buffer of entries.
+    #[inline(always)]
+    pub fn range(&self, entry: usize, value: bool) -> std::ops::Range<usize> {
+        let start = entry * self.entry_bytes() + if value { self.k.row_bytes() } else { 0 };
+        start..start + self.side(value).row_bytes()
+    }
+
+    /// Mean stored bits per value over both sides.
+    pub fn bits_per_value(&self) -> f64 {
+        (self.k.bits_per_value() + self.v.bits_per_value()) / 2.0
     }
 }

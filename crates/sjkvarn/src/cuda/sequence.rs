@@ -233,10 +233,13 @@ impl DeviceSequence {
                     .into(),
             ));
         }
-        if config.staging != Staging::Tq6 {
+        if config.auto_staging.is_some()
+            || config.k_staging != Staging::Tq6
+            || config.v_staging != Staging::Tq6
+        {
             return Err(CudaError::Unsupported(format!(
-                "staging {:?} (the device ring is tq6_0)",
-                config.staging
+                "staging {} (the device ring is tq6_0 for keys and values)",
+                config.staging_name()
             )));
         }
         let layouts = (0..config.layers)
@@ -257,7 +260,7 @@ impl DeviceSequence {
             ))
             .into());
         }
-        let rows = RowCodec::new(config.staging, config.head_dim);
+        let rows = RowCodec::new(config.k_staging, config.head_dim);
         let per_pos = config.kv_heads * config.head_dim;
         let ring_bytes = config.ring_rows() * config.kv_heads * 2 * rows.row_bytes();
         let max_groups = config
@@ -843,7 +846,12 @@ impl DeviceSequence {
 
     /// Allocated bytes per region and occupied bits per value (the CPU's accounting).
     pub fn memory(&self) -> MemoryReport {
-        let lens: Vec<(usize, usize)> = self.layers.iter().map(|l| (l.len, l.sealed)).collect();
+        let bits = self.rows.bits_per_value();
+        let lens: Vec<(usize, usize, f64)> = self
+            .layers
+            .iter()
+            .map(|l| (l.len, l.sealed, bits))
+            .collect();
         let ring = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
         memory_report(&self.config, &lens, ring, slots * self.pool.slot_bytes())

@@ -266,8 +266,8 @@ impl StateHeader {
         })
     }
 
-    fn item_bytes(&self, record_bytes: usize, stage_row_bytes: usize) -> ItemBytes {
-        let stage2 = (stage_row_bytes as u64).saturating_mul(2);
+    fn item_bytes(&self, record_bytes: usize, tail_row_bytes: usize) -> ItemBytes {
+        let stage2 = tail_row_bytes as u64;
         let sink_row = if self.identity.sink_type == SINK_F16 {
             4 * u64::from(self.identity.head_dim)
         } else {
@@ -286,10 +286,10 @@ impl StateHeader {
         self.b.checked_sub(id.sink)?.checked_div(id.group)
     }
 
-    /// Bytes of ONE layer's payload. `record_bytes`: one sealed record; `stage_row_bytes`: one
-    /// staged head row of one side (K or V). `None` if `b < sink`, `group == 0` or it overflows.
-    pub fn payload_bytes(&self, record_bytes: usize, stage_row_bytes: usize) -> Option<u64> {
-        let sizes = self.item_bytes(record_bytes, stage_row_bytes);
+    /// Bytes of ONE layer's payload. `record_bytes`: one sealed record; `tail_row_bytes`: one
+    /// tail row of one head, its K row and its V row (the two may be staged differently). `None` if `b < sink`, `group == 0` or it overflows.
+    pub fn payload_bytes(&self, record_bytes: usize, tail_row_bytes: usize) -> Option<u64> {
+        let sizes = self.item_bytes(record_bytes, tail_row_bytes);
         let h = u64::from(self.identity.n_head_kv);
         let n_sink = u64::from(self.n.min(self.identity.sink));
         let n_rec = u64::from(self.n_records()?);
@@ -302,9 +302,9 @@ impl StateHeader {
 
     /// Bytes of the whole stream (header, every layer, checksum); `None` as for
     /// [`payload_bytes`](Self::payload_bytes) or if it does not fit `usize`.
-    pub fn stream_bytes(&self, record_bytes: usize, stage_row_bytes: usize) -> Option<usize> {
+    pub fn stream_bytes(&self, record_bytes: usize, tail_row_bytes: usize) -> Option<usize> {
         let all = self
-            .payload_bytes(record_bytes, stage_row_bytes)?
+            .payload_bytes(record_bytes, tail_row_bytes)?
             .checked_mul(u64::from(self.identity.n_layers))?
             .checked_add((STATE_HEADER_BYTES + CHECKSUM_BYTES) as u64)?;
         usize::try_from(all).ok()
@@ -376,14 +376,14 @@ fn get64(p: &[u8], at: usize) -> u64 {
 fn size_of_stream(
     header: &StateHeader,
     record_bytes: usize,
-    stage_row_bytes: usize,
+    tail_row_bytes: usize,
 ) -> Result<(usize, u64), StateError> {
     header.check_consistency()?;
     let layer = header
-        .payload_bytes(record_bytes, stage_row_bytes)
+        .payload_bytes(record_bytes, tail_row_bytes)
         .ok_or(StateError::Capacity("payload size overflows"))?;
     let total = header
-        .stream_bytes(record_bytes, stage_row_bytes)
+        .stream_bytes(record_bytes, tail_row_bytes)
         .ok_or(StateError::Capacity("stream size overflows"))?;
     Ok((total, layer * u64::from(header.identity.n_layers)))
 }
@@ -395,11 +395,11 @@ fn size_of_stream(
 pub fn write_state(
     header: &StateHeader,
     record_bytes: usize,
-    stage_row_bytes: usize,
+    tail_row_bytes: usize,
     source: &mut impl StateSource,
     dst: &mut [u8],
 ) -> Result<usize, StateError> {
-    let (total, payload) = size_of_stream(header, record_bytes, stage_row_bytes)?;
+    let (total, payload) = size_of_stream(header, record_bytes, tail_row_bytes)?;
     let have = dst.len();
     let out = dst
         .get_mut(..total)
@@ -433,7 +433,7 @@ pub fn write_state(
     put32(out, OFF_DRAINING, header.draining);
     put64(out, OFF_PAYLOAD, payload);
 
-    let sizes = header.item_bytes(record_bytes, stage_row_bytes);
+    let sizes = header.item_bytes(record_bytes, tail_row_bytes);
     let mut at = STATE_HEADER_BYTES;
     for item in header.items() {
         // sizes fit usize: their sum (the stream) does
@@ -454,12 +454,12 @@ pub fn write_state(
 pub fn write_state_vec(
     header: &StateHeader,
     record_bytes: usize,
-    stage_row_bytes: usize,
+    tail_row_bytes: usize,
     source: &mut impl StateSource,
 ) -> Result<Vec<u8>, StateError> {
-    let (total, _) = size_of_stream(header, record_bytes, stage_row_bytes)?;
+    let (total, _) = size_of_stream(header, record_bytes, tail_row_bytes)?;
     let mut out = vec![0u8; total];
-    write_state(header, record_bytes, stage_row_bytes, source, &mut out)?;
+    write_state(header, record_bytes, tail_row_bytes, source, &mut out)?;
     Ok(out)
 }
 
@@ -537,13 +537,13 @@ pub fn peek(bytes: &[u8]) -> Result<StateInfo, StateError> {
 /// Accept a peeked state for a cache whose identity is `expected`: the reference's mismatch
 /// order (first differing field wins), then the journal consistency rules and the exact length.
 ///
-/// `record_bytes` and `stage_row_bytes` are the cache's sizes (see
+/// `record_bytes` and `tail_row_bytes` are the cache's sizes (see
 /// [`StateHeader::payload_bytes`]). `expected.codebook_id` comes from [`codebook_id`].
 pub fn check_identity(
     info: &StateInfo,
     expected: &StateIdentity,
     record_bytes: usize,
-    stage_row_bytes: usize,
+    tail_row_bytes: usize,
 ) -> Result<(), StateError> {
     use StateError as E;
     let (s, c) = (&info.header.identity, expected);
@@ -625,7 +625,7 @@ pub fn check_identity(
         });
     }
     info.header.check_consistency()?;
-    if info.header.stream_bytes(record_bytes, stage_row_bytes) != Some(info.total_bytes) {
+    if info.header.stream_bytes(record_bytes, tail_row_bytes) != Some(info.total_bytes) {
         return Err(E::Corrupt(
             "stored end and sealed end do not match the payload length",
         ));
@@ -664,17 +664,17 @@ pub fn walk_payload(
     bytes: &[u8],
     info: &StateInfo,
     record_bytes: usize,
-    stage_row_bytes: usize,
+    tail_row_bytes: usize,
     mut sink: impl FnMut(StateItem, &[u8]),
 ) -> Result<(), StateError> {
     let h = &info.header;
-    let (total, _) = size_of_stream(h, record_bytes, stage_row_bytes)?;
+    let (total, _) = size_of_stream(h, record_bytes, tail_row_bytes)?;
     if total != info.total_bytes || bytes.len() < total {
         return Err(StateError::Corrupt(
             "payload length differs from the header",
         ));
     }
-    let sizes = h.item_bytes(record_bytes, stage_row_bytes);
+    let sizes = h.item_bytes(record_bytes, tail_row_bytes);
     let mut at = STATE_HEADER_BYTES;
     for item in h.items() {
         let len = match item {
@@ -693,7 +693,8 @@ mod tests {
     use super::*;
 
     const RECORD: usize = 300;
-    const STAGE: usize = 98;
+    /// A tq6_0 K row and V row.
+    const STAGE: usize = 2 * 98;
 
     fn identity() -> StateIdentity {
         StateIdentity {
@@ -761,7 +762,7 @@ mod tests {
     #[test]
     fn round_trip_is_byte_exact() {
         for (sink_type, staging) in [(SINK_F16, STAGING_TQ6_0), (SINK_INHERIT, STAGING_F16)] {
-            let stage = if staging == STAGING_F16 { 256 } else { STAGE };
+            let stage = if staging == STAGING_F16 { 512 } else { STAGE };
             let id = StateIdentity {
                 sink_type,
                 staging,
@@ -825,7 +826,7 @@ mod tests {
         assert!(s[116..128].iter().all(|&b| b == 0));
         let per_layer = 128 * 2 * 512
             + ((h.b - 128) / 128) as usize * 2 * RECORD
-            + (1300 - h.b) as usize * 2 * 2 * STAGE;
+            + (1300 - h.b) as usize * 2 * STAGE;
         assert_eq!(h.payload_bytes(RECORD, STAGE), Some(per_layer as u64));
         let payload = u64::from_le_bytes(s[108..116].try_into().unwrap());
         assert_eq!(payload, 2 * per_layer as u64);
