@@ -14,8 +14,12 @@ repeats), ms/token, and the extra decode cost per 1K tokens of context,
 One llama-bench process runs per (cache type, depth), with the thread counts in descending
 order, so the depth prefill is done once (with the most threads) and its saved state is reused
 for the other thread counts and the repeats. The prefill dominates the running time: with
-quantised caches llama.cpp's CPU flash attention is several times slower at prefill than
-with f16.
+quantised caches llama.cpp's CPU flash attention is 2-3x slower at prefill than with f16 (on a
+2-core VM, the 8192-token prefill took about 70 s with f16 and about 170 s with q8_0 on 2
+threads, longer with q4_0). The whole default grid took about 28 minutes there, with another
+process busy on one core; under such load the 2-thread results are meaningless (llama.cpp's
+threads spin-wait for each other), so run it on an otherwise idle machine, or pass
+``--threads 1``.
 
 Building llama-bench (no network needed beyond PyPI; about 4 minutes on 2 cores). The
 ``llama-cpp-python`` sdist vendors llama.cpp under ``vendor/llama.cpp``, and cmake comes from
@@ -49,7 +53,7 @@ guest advertising amx_tile/amx_int8) every multi-token batch, i.e. the depth pre
 with SIGSEGV at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat``. For this Q4_1 model the extra
 buffer types are only the AMX ones (ggml's CPU repacking does not cover Q4_1), so
 ``--repack 0`` just turns AMX off. Single-token decode never uses the AMX tiles (it takes an
-AVX512-VNNI path of the AMX code, which was about 2-3x faster at depth 0 here), so
+AVX512-VNNI path of the AMX code, which was about 3x faster at depth 0 here), so
 ``--repack 0 1`` measures both: the repack values go to one llama-bench process, repack 0
 first, so the depth is prefilled without AMX and its saved KV state is restored for the
 repack 1 decode runs (llama-bench reuses a saved depth state across its test instances).
@@ -260,6 +264,7 @@ def main() -> int:
     print(f"model: {model}", flush=True)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
+    interrupted = False
     start = time.perf_counter()
     try:
         for cache_type in args.cache_types:
@@ -281,8 +286,8 @@ def main() -> int:
                     flush=True,
                 )
     except KeyboardInterrupt:
-        print("interrupted; results so far:", file=sys.stderr)
-        failures.append("interrupted")
+        print("interrupted; printing the results so far", file=sys.stderr)
+        interrupted = True
 
     if rows:
         first = rows[0]
@@ -300,7 +305,7 @@ def main() -> int:
     if failures:
         print(f"error: {len(failures)} llama-bench run(s) failed (see above)", file=sys.stderr)
         return 1
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":
