@@ -4,7 +4,8 @@
 //! rows stored row by row (sink and ring).
 //!
 //! Each output element has one fixed summation order (ascending for `product`, 16 lanes then
-//! a pairwise reduction for `dots`), with separate multiplies and adds (never fused). The
+//! a pairwise reduction for `dots`), each step one fused multiply-add (`f32::mul_add`, one
+//! rounding: as fast as a plain multiply where FMA units are the only vector pipes). The
 //! portable loops and the AVX-512 kernels follow it exactly, so every SIMD level gives the
 //! same bits, and a row's result does not depend on which other rows share the call.
 
@@ -217,7 +218,7 @@ fn product_rows<const M: usize>(
             for s in 0..M {
                 let x = a[s * lda + i];
                 for l in 0..TILE {
-                    acc[s][l] += x * row[l];
+                    acc[s][l] = x.mul_add(row[l], acc[s][l]);
                 }
             }
         }
@@ -254,7 +255,7 @@ fn product_tail<const M: usize>(
         for i in 0..inner {
             let y = b[i * ldb + j].value();
             for s in 0..M {
-                acc[s] += a[s * lda + i] * y;
+                acc[s] = a[s * lda + i].mul_add(y, acc[s]);
             }
         }
         for (s, &x) in acc.iter().enumerate() {
@@ -315,11 +316,11 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let mut tail = 0.0f32;
     for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail += x * y;
+        tail = x.mul_add(*y, tail);
     }
     for (x, y) in ca.zip(cb) {
         for l in 0..LANES {
-            lanes[l] += x[l] * y[l];
+            lanes[l] = x[l].mul_add(y[l], lanes[l]);
         }
     }
     pairwise(&mut lanes) + tail
@@ -337,7 +338,7 @@ mod avx512 {
     }
 
     /// [`super::product_rows`] with the tile's accumulators in registers: `2 * M` vectors of 16
-    /// columns, one multiply and one add per product, in the same order per element.
+    /// columns, one fused multiply-add per product, in the same order per element.
     ///
     /// # Safety
     /// The CPU must have AVX-512F, and the operands must be as long as [`super::product`]
@@ -374,8 +375,8 @@ mod avx512 {
                 let (b0, b1) = (load16(row), load16(row.add(16)));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
-                    lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
-                    hi[s] = _mm512_add_ps(hi[s], _mm512_mul_ps(x, b1));
+                    lo[s] = _mm512_fmadd_ps(x, b0, lo[s]);
+                    hi[s] = _mm512_fmadd_ps(x, b1, hi[s]);
                 }
             }
             for s in 0..M {
@@ -396,7 +397,7 @@ mod avx512 {
                 let b0 = load16(bp.add(i * ldb + j0));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
-                    lo[s] = _mm512_add_ps(lo[s], _mm512_mul_ps(x, b0));
+                    lo[s] = _mm512_fmadd_ps(x, b0, lo[s]);
                 }
             }
             for s in 0..M {
@@ -434,7 +435,7 @@ mod avx512 {
                 let key = _mm512_loadu_ps(bp.add(t * ldb + c));
                 for s in 0..M {
                     let q = _mm512_loadu_ps(ap.add(s * lda + c));
-                    acc[s] = _mm512_add_ps(acc[s], _mm512_mul_ps(q, key));
+                    acc[s] = _mm512_fmadd_ps(q, key, acc[s]);
                 }
                 c += 16;
             }
@@ -635,7 +636,7 @@ mod tests {
                     for j in 0..cols {
                         let mut want = 0.0f32;
                         for i in 0..inner {
-                            want += a[s * lda + i] * b[i * (cols + 3) + j];
+                            want = a[s * lda + i].mul_add(b[i * (cols + 3) + j], want);
                         }
                         let got = out[s * (cols + 1) + j];
                         assert_eq!(want.to_bits(), got.to_bits(), "{level:?} {rows}x{cols}");
