@@ -133,6 +133,8 @@ def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # ty
     assert json.loads((tmp_path / "results.json").read_text())["arms"].keys() == arms.keys()
     md = (tmp_path / "report.md").read_text()
     assert "| SJ-KVaRN 4/4 |" in md
+    # 300 tokens with tails scaled to 128/256: one group sealed out of the cache.
+    assert 0 < arms["SJ-KVaRN 4/4"]["sealed_fraction"] < 0.5 and "Regime:" in md
     env = report["environment"]
     assert env["torch"] == torch.__version__ and set(env["history_sha256"]) == {"coding", "agentic"}
     assert f"torch {torch.__version__}" in md
@@ -179,3 +181,26 @@ def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) ->
     assert set(fp16["per_distance"]) == {64, 200}
     assert fp16["mean"] < 1e-3 and 0.0 <= fp16["top1_gold"] <= 1.0
     assert "fp16" in needles.render(report)
+
+
+def test_seed_preset_has_its_arms_long_histories_and_reports_the_auto_picks(
+    model_and_tokenizer,  # type: ignore[no-untyped-def]
+) -> None:
+    net, tok = model_and_tokenizer
+    names = {a.name for a in evaluation.seed_arms()}
+    wanted = {"KVarN 4/4 tail 0", "KVarN 4/4 tail 1024", "SJ-KVaRN 4/4", "SJ-KVaRN 3/2t"}
+    assert wanted | {"turbo3/turbo3", "tq6_0/tq6_0", "SJ-KVaRN 4/4 auto ring"} <= names
+    for h in histories.seed_scale():
+        assert len(tok(h.text).input_ids) >= 12288 + 256, h.name
+    settings = evaluation.EvalSettings(
+        history_tokens=300,
+        scored_tokens=8,
+        bootstrap=50,
+        preset="seed",
+        arms=["SJ-KVaRN 4/4 auto ring"],
+    )
+    report = evaluation.evaluate(net, tok, [histories.coding()], settings, progress=False)
+    (picks,) = report["arms"]["SJ-KVaRN 4/4 auto ring"]["staging_picks"]
+    assert len(picks) == net.config.num_hidden_layers
+    assert all(p.split("/")[0] in ("tq6_0", "q8_0", "f16") for p in picks)
+    assert "staging per layer" in evaluation.render_markdown(report)
