@@ -133,8 +133,8 @@ def test_small_eval_writes_reports(model_and_tokenizer, tmp_path) -> None:  # ty
     assert json.loads((tmp_path / "results.json").read_text())["arms"].keys() == arms.keys()
     md = (tmp_path / "report.md").read_text()
     assert "| SJ-KVaRN 4/4 |" in md
-    # 300 tokens with tails scaled to 128/256: one group sealed out of the cache.
-    assert 0 < arms["SJ-KVaRN 4/4"]["sealed_fraction"] < 0.5 and "Regime:" in md
+    # 324 tokens with tails of 128/256: nothing sealed yet, and the report says so.
+    assert arms["SJ-KVaRN 4/4"]["sealed_fraction"] == 0.0 and "mostly the exact ring" in md
     env = report["environment"]
     assert env["torch"] == torch.__version__ and set(env["history_sha256"]) == {"coding", "agentic"}
     assert f"torch {torch.__version__}" in md
