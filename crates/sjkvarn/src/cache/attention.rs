@@ -14,7 +14,7 @@
 
 use super::online_softmax::{merge_states, Softmax};
 use super::sequence::{LayerJournal, Sequence};
-use super::tile_gemm::{dot, dots, product, product_onto, MAX_ROWS};
+use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
@@ -331,11 +331,7 @@ fn fold_dense(
         let n = piece.min(most - t0);
         fill(t0, true, &mut sc.vblk[..n * d]);
         let (w, v, out) = (&sc.weights[t0..], &sc.vblk, &mut sc.part_v);
-        if t0 == 0 {
-            product(ctx.level, np, w, GROUP, v, d, n, d, out, d);
-        } else {
-            product_onto(ctx.level, np, w, GROUP, v, d, n, d, out, d);
-        }
+        product_from(ctx.level, np, w, GROUP, v, d, n, d, out, d, t0 > 0);
     }
     for (slot, p) in pairs.enumerate() {
         if live[slot] {

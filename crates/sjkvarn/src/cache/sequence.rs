@@ -10,7 +10,7 @@
 //! cache as it was.
 
 use super::auto_staging::{self, StagingPick};
-use super::config::{CacheConfig, Staging};
+use super::config::CacheConfig;
 use super::pool::{RecordPool, SlotId};
 use super::staging::RingRows;
 use super::{CacheError, CacheResult};
@@ -22,6 +22,7 @@ use crate::journal::LayerState;
 use crate::simd::prefetch_l2;
 use half::f16;
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// `n` copies of `value`, or an out-of-memory error instead of an abort.
@@ -290,13 +291,6 @@ impl Sequence {
         Ok(self.layer(layer)?.pick.as_ref())
     }
 
-    /// The K and V staging types `layer` uses (`None` while `auto` has not picked).
-    pub fn layer_staging(&self, layer: usize) -> CacheResult<Option<(Staging, Staging)>> {
-        let l = self.layer(layer)?;
-        let undecided = self.config.auto_staging.is_some() && l.pick.is_none();
-        Ok((!undecided).then_some((l.rows.k.staging, l.rows.v.staging)))
-    }
-
     /// Hints the cache to fetch ring position `pos` of `head` (its K and V rows are adjacent):
     /// ring rows of one head are a whole token apart, too far apart for the hardware's own
     /// stride prefetch to keep up, so the attention loop asks a few positions ahead.
@@ -364,11 +358,15 @@ impl Sequence {
         let start = l.len;
 
         // 1. Rotate and stage every row first (the only codec step that can reject the input).
-        let (mut rk, mut rv) = (k.to_vec(), v.to_vec());
-        if !rotated {
+        // Rows already in the Hadamard frame are used in place; others are rotated in a copy.
+        let (rk, rv): (Cow<[f32]>, Cow<[f32]>) = if rotated {
+            (Cow::Borrowed(k), Cow::Borrowed(v))
+        } else {
+            let (mut rk, mut rv) = (k.to_vec(), v.to_vec());
             rotate_heads(&mut rk, d)?;
             rotate_heads(&mut rv, d)?;
-        }
+            (Cow::Owned(rk), Cow::Owned(rv))
+        };
         // `auto` staging picks on the layer's first rows; its ring is allocated here and only
         // installed at the commit below, so a refused append changes nothing.
         let mut picked = None;

@@ -110,29 +110,12 @@ pub(crate) fn product(
     product_from(level, rows, a, lda, b, ldb, inner, cols, out, ldo, false);
 }
 
-/// [`product`] continued: each sum starts from `out`'s value instead of zero, so a product
-/// split along `inner` into consecutive calls (the first a plain [`product`]) gives the same
-/// bits as one call over the whole range.
+/// [`product`], each sum starting from `out`'s value when `carry` (else from zero): a product
+/// split along `inner` into consecutive calls (the first without `carry`) gives the same bits
+/// as one call over the whole range.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn product_onto(
-    level: SimdLevel,
-    rows: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[impl Unit],
-    ldb: usize,
-    inner: usize,
-    cols: usize,
-    out: &mut [f32],
-    ldo: usize,
-) {
-    product_from(level, rows, a, lda, b, ldb, inner, cols, out, ldo, true);
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn product_from(
+pub(crate) fn product_from(
     level: SimdLevel,
     rows: usize,
     a: &[f32],
@@ -514,7 +497,7 @@ mod tests {
         }
     }
 
-    /// A product split along `inner` into a `product` and `product_onto` calls gives the
+    /// A product split along `inner` into `product_from` calls carrying their sums gives the
     /// bits of one call, at every level and for any split points.
     #[test]
     fn a_product_continued_in_pieces_is_the_whole_product() {
@@ -536,22 +519,8 @@ mod tests {
                     for i0 in (0..inner).step_by(step) {
                         let n = step.min(inner - i0);
                         let (a, b) = (&a[i0..], &b[i0 * cols..]);
-                        if i0 == 0 {
-                            product(level, rows, a, inner, b, cols, n, cols, &mut pieces, cols);
-                        } else {
-                            product_onto(
-                                level,
-                                rows,
-                                a,
-                                inner,
-                                b,
-                                cols,
-                                n,
-                                cols,
-                                &mut pieces,
-                                cols,
-                            );
-                        }
+                        let (carry, out) = (i0 > 0, &mut pieces);
+                        product_from(level, rows, a, inner, b, cols, n, cols, out, cols, carry);
                     }
                     let same = whole
                         .iter()
