@@ -69,12 +69,10 @@ pub struct DecodedHalf {
     pub s_v: Vec<f32>,
     /// Value units stored channel-major (trellis runs, read without a transpose).
     pub v_by_channel: bool,
-    /// Integer codes as bytes, in the layout of `k_units` / `v_units`, used instead of them
-    /// when `*_in_codes` is set (the bulk reader's AVX-512 path for 4-bit scalar sides).
-    pub k_codes: Vec<u8>,
-    pub v_codes: Vec<u8>,
-    pub k_in_codes: bool,
-    pub v_in_codes: bool,
+    /// 4-bit scalar sides in fragment order are not unpacked: attention reads their codes
+    /// straight from the record, at this byte range of it, and `k_units` / `v_units` are unused.
+    pub k_fragments: Option<std::ops::Range<usize>>,
+    pub v_fragments: Option<std::ops::Range<usize>>,
 }
 
 impl DecodedHalf {
@@ -90,10 +88,8 @@ impl DecodedHalf {
             z_v: Vec::new(),
             s_v: Vec::new(),
             v_by_channel: false,
-            k_codes: Vec::new(),
-            v_codes: Vec::new(),
-            k_in_codes: false,
-            v_in_codes: false,
+            k_fragments: None,
+            v_fragments: None,
         }
     }
 }

@@ -52,20 +52,75 @@ pub fn avx512() -> bool {
     simd_level() == SimdLevel::Avx512
 }
 
+/// Whether the AVX-512 level may also use VNNI byte dot products (`vpdpbusd`): the body
+/// records' 4-bit sides are scored with them. Without VNNI they take the portable integer loop,
+/// which gives the same bits.
+#[inline(always)]
+pub fn avx512_vnni() -> bool {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    avx512()
+        && *VNNI.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                std::arch::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        })
+}
+
 /// Asks the CPU to bring `bytes` into its L2 cache ahead of use (a hint: no effect on results,
 /// nothing on targets without a prefetch instruction here). Attention calls it for the next
 /// record while it scores the current one, whose first reads otherwise wait on memory.
 #[inline(always)]
 pub fn prefetch_l2(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: a prefetch only hints the cache; `line` points into a live slice.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                line.as_ptr() as *const i8
-            )
-        };
+    let mut ahead = Ahead::new(bytes);
+    ahead.finish();
+}
+
+/// A slice prefetched into L2 a line at a time, interleaved with other work: a burst of
+/// prefetches stalls once the core's line-fill buffers are full, while one line per step of
+/// a compute loop overlaps with it.
+pub struct Ahead<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Ahead<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Self { bytes, at: 0 }
     }
+
+    /// Prefetches the next line, if any is left.
+    #[inline(always)]
+    pub fn step(&mut self) {
+        if self.at < self.bytes.len() {
+            prefetch_line(&self.bytes[self.at..]);
+            self.at += 64;
+        }
+    }
+
+    /// Prefetches every line not yet asked for.
+    #[inline(always)]
+    pub fn finish(&mut self) {
+        while self.at < self.bytes.len() {
+            self.step();
+        }
+    }
+}
+
+/// Hints the cache line holding `bytes[0]` into L2.
+#[inline(always)]
+fn prefetch_line(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch only hints the cache; the pointer is into a live, non-empty slice.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+            bytes.as_ptr() as *const i8
+        )
+    };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
 }

@@ -12,6 +12,7 @@
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
+use super::fragment_dots::{fragment_products, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
@@ -20,7 +21,7 @@ use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
-use crate::simd::{prefetch_l2, simd_level, SimdLevel};
+use crate::simd::{simd_level, Ahead, SimdLevel};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -144,13 +145,14 @@ fn fold_chunk_body(
     let mut current = records.peek().map(|&(_, slot)| pool.get(slot));
     while let (Some((first, _)), Some(bytes)) = (records.next(), current.take()) {
         let next = records.peek().map(|&(_, slot)| pool.get(slot));
-        if let Some(ahead) = &next {
-            prefetch_l2(&ahead[h * rb..(h + 1) * rb]);
-        }
-        reader.read(&bytes[h * rb..(h + 1) * rb], &mut sc.halves)?;
+        // The next record is fetched into L2 a line per kernel step while this one is scored.
+        let mut ahead = Ahead::new(next.as_ref().map_or(&[][..], |n| &n[h * rb..(h + 1) * rb]));
+        let rec = &bytes[h * rb..(h + 1) * rb];
+        reader.read(rec, &mut sc.halves)?;
         for pairs in blocks.clone() {
-            fold_record(ctx, states, pairs, first, job.r, sc);
+            fold_record(ctx, states, pairs, first, job.r, rec, sc, &mut ahead);
         }
+        ahead.finish();
         current = next;
     }
 
@@ -207,6 +209,8 @@ struct Queries<'a> {
     kv_head: usize,
     /// The instruction set the arithmetic kernel runs on.
     level: SimdLevel,
+    /// Whether 4-bit fragment sides may use VNNI (same bits as without).
+    vnni: bool,
 }
 
 impl Queries<'_> {
@@ -257,6 +261,7 @@ struct Scratch {
     kblk: Vec<f32>,
     vblk: Vec<f32>,
     halves: Vec<DecodedHalf>,
+    fragments: FragmentScratch,
 }
 
 impl Scratch {
@@ -270,6 +275,7 @@ impl Scratch {
             kblk: vec![0.0; GROUP * d],
             vblk: vec![0.0; GROUP * d],
             halves: Vec::new(),
+            fragments: FragmentScratch::default(),
         }
     }
 }
@@ -343,11 +349,12 @@ fn fold_dense(
     }
 }
 
-/// Folds one body record (its absorbed-scale halves in `sc.halves`) into the states of `pairs`:
-/// `logit[t] = s_K[t] (sum_c (q'_c a_K[c]) u[c,t] + sum_c q'_c z_K[c])` and
-/// `acc[c] += s_V[c] (sum_t w_t a_V[t] u[t,c] + sum_t w_t z_V[t])`, each sum in ascending order.
+/// Folds one body record (`rec`, its absorbed-scale halves in `sc.halves`) into the states of
+/// `pairs`: `logit[t] = s_K[t] (sum_c (q'_c a_K[c]) u[c,t] + sum_c q'_c z_K[c])` and
+/// `acc[c] += s_V[c] (sum_t w_t a_V[t] u[t,c] + sum_t w_t z_V[t])`, each sum in ascending order,
+/// or, for 4-bit sides read in place, exact in fixed point ([`fragment_products`]).
 // Slots index several per-pair arrays in step; index loops say that more plainly than zips.
-#[allow(clippy::needless_range_loop)]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
 fn fold_record(
     ctx: &Queries,
@@ -355,7 +362,9 @@ fn fold_record(
     pairs: std::ops::Range<usize>,
     first: usize,
     r: usize,
+    rec: &[u8],
     sc: &mut Scratch,
+    ahead: &mut Ahead,
 ) {
     let (visible, np) = ctx.visible_all(pairs.clone(), first, GROUP);
     if visible[..np].iter().all(|&v| v == 0) {
@@ -373,19 +382,16 @@ fn fold_record(
             offset[slot] = dot(q, &hd.z_k);
         }
         let (a, out) = (&sc.a_rows, &mut sc.part_k);
-        if hd.k_in_codes {
-            product(
-                ctx.level,
-                np,
-                a,
-                r,
-                &hd.k_codes,
-                GROUP,
-                r,
-                GROUP,
-                out,
-                GROUP,
-            );
+        if let Some(range) = &hd.k_fragments {
+            // Columns: token tiles (a row of channel tiles apart); rows: channel tiles.
+            let grid = TileGrid {
+                cols: GROUP / TILE,
+                rows: r / TILE,
+                col_stride: r / TILE,
+                row_stride: 1,
+            };
+            let (payload, fs) = (&rec[range.clone()], &mut sc.fragments);
+            fragment_products(ctx.vnni, payload, grid, np, a, r, fs, out, GROUP, ahead);
         } else {
             product(
                 ctx.level,
@@ -428,8 +434,8 @@ fn fold_record(
     for (half, hd) in sc.halves.iter().enumerate() {
         // Rows w_t a_V[t] (0 past the pair's visible positions), offsets sum_t w_t z_V[t].
         // Channel-major units are scored as dot products over tokens, in 16-token steps.
-        let inner = if hd.v_by_channel {
-            most.next_multiple_of(16)
+        let inner = if hd.v_by_channel || hd.v_fragments.is_some() {
+            most.next_multiple_of(TILE)
         } else {
             most
         };
@@ -447,9 +453,17 @@ fn fold_record(
         if hd.v_by_channel {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
-        } else if hd.v_in_codes {
-            let (a, b, out) = (&sc.a_rows, &hd.v_codes, &mut sc.part_v);
-            product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);
+        } else if let Some(range) = &hd.v_fragments {
+            // Columns: channel tiles; rows: the token tiles up to the last visible token.
+            let grid = TileGrid {
+                cols: r / TILE,
+                rows: inner / TILE,
+                col_stride: 1,
+                row_stride: r / TILE,
+            };
+            let (payload, fs) = (&rec[range.clone()], &mut sc.fragments);
+            let (a, out) = (&sc.a_rows, &mut sc.part_v);
+            fragment_products(ctx.vnni, payload, grid, np, a, GROUP, fs, out, r, ahead);
         } else {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);
@@ -552,6 +566,7 @@ fn attend_at(
         scale,
         kv_head: h,
         level,
+        vnni: level == SimdLevel::Avx512 && crate::simd::avx512_vnni(),
     };
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =

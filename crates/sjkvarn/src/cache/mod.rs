@@ -14,6 +14,7 @@ pub mod auto_staging;
 pub mod config;
 #[doc(hidden)]
 pub mod faults;
+mod fragment_dots;
 mod online_softmax;
 pub mod pool;
 pub mod sequence;

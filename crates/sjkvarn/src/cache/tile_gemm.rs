@@ -24,8 +24,8 @@ pub(crate) const MAX_ROWS: usize = 8;
 /// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
 const TILE: usize = 32;
 
-/// An element of a product's right operand: f32 units, or integer codes as bytes (a quarter
-/// of the bytes to write and read; `code as f32` is exact, so the sums are the same bits).
+/// An element of a product's right operand (f32 units; the trait keeps the kernels open to
+/// narrower element types).
 pub(crate) trait Unit: Copy {
     fn value(self) -> f32;
 
@@ -47,20 +47,6 @@ impl Unit for f32 {
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
-    }
-}
-
-impl Unit for u8 {
-    #[inline(always)]
-    fn value(self) -> f32 {
-        self as f32
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)))
     }
 }
 
@@ -528,56 +514,6 @@ mod tests {
                         .all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "{level:?}, {rows} rows, pieces of {step}");
                 }
-            }
-        }
-    }
-
-    /// Byte codes give the bits their f32 values give, at every level.
-    #[test]
-    fn byte_codes_equal_their_f32_values() {
-        let mut rng = SplitMix64::new(5);
-        for level in [SimdLevel::Portable, SimdLevel::Avx2, SimdLevel::Avx512] {
-            if level > detected_level() {
-                continue;
-            }
-            for rows in 1..=MAX_ROWS {
-                let (inner, cols) = (128usize, 128usize);
-                let a = rng.gaussians(rows * inner);
-                let codes: Vec<u8> = (0..inner * cols)
-                    .map(|_| rng.next_u64() as u8 & 15)
-                    .collect();
-                let units: Vec<f32> = codes.iter().map(|&c| c as f32).collect();
-                let mut from_codes = vec![0.0f32; rows * cols];
-                let mut from_units = vec![0.0f32; rows * cols];
-                product(
-                    level,
-                    rows,
-                    &a,
-                    inner,
-                    &codes,
-                    cols,
-                    inner,
-                    cols,
-                    &mut from_codes,
-                    cols,
-                );
-                product(
-                    level,
-                    rows,
-                    &a,
-                    inner,
-                    &units,
-                    cols,
-                    inner,
-                    cols,
-                    &mut from_units,
-                    cols,
-                );
-                let same = from_codes
-                    .iter()
-                    .zip(&from_units)
-                    .all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "{level:?}, {rows} rows");
             }
         }
     }

@@ -4,10 +4,10 @@
 //! [`super::record::Decoder::q`] defines every code one at a time (the payload order of the
 //! layout: fragment order for 4-bit scalar sides, token-major for 2/3-bit scalar sides,
 //! channel-major trellis runs). Attention reads thousands of records per call, so this reader
-//! walks each payload in storage order instead: a 16x16 fragment tile is 128 contiguous bytes
-//! whose nibble order is the same permutation for every tile, token-major streams unpack
-//! linearly, and trellis runs read their windows run by run. The tests check it against
-//! `Decoder::q` code for code.
+//! walks each payload in storage order instead: token-major streams unpack linearly, and
+//! trellis runs read their windows run by run. The tests check it against `Decoder::q` code for
+//! code. 4-bit scalar sides (fragment order) are not unpacked at all: attention scores them in
+//! place (`cache::fragment_dots`).
 
 use super::layout::{unpack, Body, RecordLayout};
 use super::trellis::{codebook_f32, window};
@@ -15,9 +15,6 @@ use crate::body::DecodedHalf;
 use crate::error::{CodecError, Result};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-
-/// Side of a fragment tile, in tokens and channels.
-const TILE: usize = 16;
 
 /// `out[i] = fp16 at byte offset at(i) of rec`, for `i < n`: gathered into `halves`, then
 /// converted in one slice call (F16C where the CPU has it; the conversion is exact either way).
@@ -93,12 +90,12 @@ impl UnitReader {
         for buf in [&mut out.k_units, &mut out.v_units] {
             buf.resize(d * g, 0.0);
         }
-        out.k_in_codes = self.read_codes(rec, false, &mut out.k_codes);
-        if !out.k_in_codes {
+        out.k_fragments = self.fragments(false);
+        if out.k_fragments.is_none() {
             self.read_side(rec, false, &mut out.k_units);
         }
-        out.v_in_codes = self.read_codes(rec, true, &mut out.v_codes);
-        if !out.v_in_codes {
+        out.v_fragments = self.fragments(true);
+        if out.v_fragments.is_none() {
             self.read_side(rec, true, &mut out.v_units);
         }
         out.v_by_channel = l.body == Body::Trellis;
@@ -112,34 +109,16 @@ impl UnitReader {
         Ok(())
     }
 
-    /// One 4-bit scalar side's codes as bytes, in the units' layout, where AVX-512 reads
-    /// them; `false` (nothing written) elsewhere.
-    #[inline(always)]
-    fn read_codes(&self, rec: &[u8], is_v: bool, out: &mut Vec<u8>) -> bool {
+    /// The byte range of a side whose codes attention reads in place (4-bit scalar sides in
+    /// fragment order: `cache::fragment_dots`), or `None` for sides read into units.
+    fn fragments(&self, is_v: bool) -> Option<std::ops::Range<usize>> {
         let l = self.layout;
-        let (d, g) = (l.head_dim, l.group);
-        if l.body == Body::Trellis || !l.fragment_order(is_v) || !crate::simd::avx512() {
-            return false;
-        }
-        out.resize(d * g, 0);
-        let stride = if is_v { d } else { g };
-        let tiles_d = d / TILE;
-        for (tile, bytes) in l
-            .payload(rec, is_v)
-            .chunks_exact(TILE * TILE / 2)
-            .enumerate()
-        {
-            let (t, c) = ((tile / tiles_d) * TILE, (tile % tiles_d) * TILE);
-            let base = if is_v { t * d + c } else { c * g + t };
-            let dst = &mut out[base..];
-            assert!(bytes.len() == 128 && dst.len() >= 15 * stride + 16 && stride >= 16);
-            // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the lengths were checked above.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                fragment_codes_avx512(bytes, dst, stride)
-            };
-        }
-        true
+        let (start, end) = if is_v {
+            (l.v_payload, l.k_scale)
+        } else {
+            (l.k_payload, l.v_payload)
+        };
+        l.fragment_order(is_v).then_some(start..end)
     }
 
     /// One side's units: keys channel-major (`[c * G + t]`), values token-major (`[t * D + c]`).
@@ -149,7 +128,6 @@ impl UnitReader {
         let (d, g) = (l.head_dim, l.group);
         let bits = l.bits(is_v);
         let payload = l.payload(rec, is_v);
-        let at = |t: usize, c: usize| if is_v { t * d + c } else { c * g + t };
         if l.body == Body::Trellis {
             // Channel-major runs of `g` codes; each code's value is its window's codebook entry.
             // Both sides stay channel-major (`v_by_channel`): no transpose.
@@ -175,14 +153,6 @@ impl UnitReader {
             for c in 0..d {
                 let run = &mut out[c * g..(c + 1) * g];
                 trellis_run(rec, start, payload.len(), bits, c, cb, run);
-            }
-        } else if l.fragment_order(is_v) {
-            // Keys' rows are channels (`G` apart), values' rows are tokens (`D` apart).
-            let stride = if is_v { d } else { g };
-            let tiles_d = d / TILE;
-            for (tile, bytes) in payload.chunks_exact(TILE * TILE / 2).enumerate() {
-                let base = at((tile / tiles_d) * TILE, (tile % tiles_d) * TILE);
-                fragment_tile(bytes, &mut out[base..], stride);
             }
         } else {
             // Token-major stream: unpack linearly, then place (a transpose for keys).
@@ -310,133 +280,6 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
     }
 }
 
-/// One 16x16 fragment tile (128 bytes = 32 little-endian words of 8 nibbles) into `dst`, whose
-/// rows are `stride` apart. For both sides the layout works out the same way: word `4b + a`,
-/// nibble `n` is row `2a + 8((n >> 1) & 1) + (n >> 2)`, column `8(n & 1) + b`, so each
-/// (a, n) is 8 consecutive units of one row.
-#[inline(always)]
-fn fragment_tile(bytes: &[u8], dst: &mut [f32], stride: usize) {
-    assert!(bytes.len() == 128 && dst.len() >= 15 * stride + 16 && stride >= 16);
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx512() {
-        // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the lengths were checked above.
-        unsafe { fragment_tile_avx512(bytes, dst, stride) };
-        return;
-    }
-    fragment_tile_portable(bytes, dst, stride);
-}
-
-#[inline(always)]
-fn fragment_tile_portable(bytes: &[u8], dst: &mut [f32], stride: usize) {
-    for a in 0..4 {
-        for n in 0..8 {
-            let row = 2 * a + 8 * ((n >> 1) & 1) + (n >> 2);
-            let o = &mut dst[row * stride + 8 * (n & 1)..][..8];
-            for (b, x) in o.iter_mut().enumerate() {
-                let at = 4 * (4 * b + a);
-                let w =
-                    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-                *x = ((w >> (4 * n)) & 15) as f32;
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
-unsafe fn fragment_tile_avx512(bytes: &[u8], dst: &mut [f32], stride: usize) {
-    use std::arch::x86_64::*;
-    let out = dst.as_mut_ptr();
-    // SAFETY: every store writes 8 floats at `row * stride + col` with row <= 15 and
-    // col <= 8 inside `dst`, as the caller checked.
-    fragment_nibbles_avx512(bytes, |first, second, col, v| {
-        let v = _mm512_cvtepi32_ps(v);
-        _mm256_storeu_ps(out.add(first * stride + col), _mm512_castps512_ps256(v));
-        _mm256_storeu_ps(
-            out.add(second * stride + col),
-            _mm512_extractf32x8_ps::<1>(v),
-        );
-    });
-}
-
-/// The nibbles of one 16x16 fragment tile, 16 at a time: `emit(first, second, col, v)` gets
-/// rows `first` (lanes 0..8) and `second` (lanes 8..16), 8 columns from `col` each, as u32
-/// lanes.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
-#[inline]
-unsafe fn fragment_nibbles_avx512(
-    bytes: &[u8],
-    mut emit: impl FnMut(usize, usize, usize, std::arch::x86_64::__m512i),
-) {
-    use std::arch::x86_64::*;
-    // SAFETY: `bytes` holds 128 bytes (two 64-byte loads), as the callers checked.
-    let w0 = _mm512_loadu_si512(bytes.as_ptr() as *const __m512i);
-    let w1 = _mm512_loadu_si512(bytes.as_ptr().add(64) as *const __m512i);
-    let nibble = _mm512_set1_epi32(15);
-    for a in [0usize, 2] {
-        let cols = fragment_columns(w0, w1, a as i32);
-        for n in 0..8usize {
-            let v = _mm512_and_si512(
-                _mm512_srlv_epi32(cols, _mm512_set1_epi32(4 * n as i32)),
-                nibble,
-            );
-            let (row, col) = (8 * ((n >> 1) & 1) + (n >> 2), 8 * (n & 1));
-            emit(2 * a + row, 2 * a + 2 + row, col, v);
-        }
-    }
-}
-
-/// The tile words of columns `a` (lanes 0..8) and `a + 1` (lanes 8..16): words `4b + a` and
-/// `4b + a + 1` for b = 0..8, from the tile's two 64-byte halves.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn fragment_columns(
-    w0: std::arch::x86_64::__m512i,
-    w1: std::arch::x86_64::__m512i,
-    a: i32,
-) -> std::arch::x86_64::__m512i {
-    use std::arch::x86_64::*;
-    let idx = _mm512_setr_epi32(
-        a,
-        4 + a,
-        8 + a,
-        12 + a,
-        16 + a,
-        20 + a,
-        24 + a,
-        28 + a,
-        a + 1,
-        5 + a,
-        9 + a,
-        13 + a,
-        17 + a,
-        21 + a,
-        25 + a,
-        29 + a,
-    );
-    _mm512_permutex2var_epi32(w0, idx, w1)
-}
-
-/// [`fragment_tile`] as bytes: the same nibbles, narrowed instead of converted to f32.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
-unsafe fn fragment_codes_avx512(bytes: &[u8], dst: &mut [u8], stride: usize) {
-    use std::arch::x86_64::*;
-    let out = dst.as_mut_ptr();
-    // SAFETY: every store writes 8 bytes at `row * stride + col` with row <= 15 and col <= 8
-    // inside `dst`, as the caller checked.
-    fragment_nibbles_avx512(bytes, |first, second, col, v| {
-        let v = _mm512_cvtepi32_epi8(v);
-        _mm_storel_epi64(out.add(first * stride + col) as *mut __m128i, v);
-        _mm_storel_epi64(
-            out.add(second * stride + col) as *mut __m128i,
-            _mm_unpackhi_epi64(v, v),
-        );
-    });
-}
-
 /// Unpacks consecutive `bits`-bit codes (LSB first) into `out`.
 #[inline(always)]
 fn unpack_linear(stream: &[u8], bits: u32, out: &mut [u8]) {
@@ -473,6 +316,10 @@ mod tests {
     use crate::codec::record::Decoder;
     use crate::rng::SplitMix64;
 
+    fn scalar_4bit(body: Body, bits: u32) -> bool {
+        body == Body::Scalar && bits == 4
+    }
+
     #[test]
     fn every_code_and_scale_matches_the_per_code_decoder() {
         let cases = [
@@ -497,26 +344,29 @@ mod tests {
                 let mut got = DecodedHalf::empty();
                 reader.read(&rec, &mut got).unwrap();
                 let dec = Decoder::new(layout);
+                // Fragment sides are read in place (their sums are checked against the
+                // layout in `cache::fragment_dots`): exactly the side's payload bytes.
+                for (is_v, range) in [(false, &got.k_fragments), (true, &got.v_fragments)] {
+                    let fragment = scalar_4bit(body, if is_v { v } else { k });
+                    assert_eq!(range.is_some(), fragment, "{d} {k}/{v} {body:?}");
+                    if let Some(r) = range {
+                        assert_eq!(&rec[r.clone()], layout.payload(&rec, is_v));
+                    }
+                }
                 for c in 0..d {
                     for t in 0..128 {
                         let (kq, vq) = (dec.q(&rec, t, c, false), dec.q(&rec, t, c, true));
-                        let k = if got.k_in_codes {
-                            got.k_codes[c * 128 + t] as f32
-                        } else {
-                            got.k_units[c * 128 + t]
-                        };
-                        assert_eq!(k.to_bits(), kq.to_bits());
+                        if got.k_fragments.is_none() {
+                            assert_eq!(got.k_units[c * 128 + t].to_bits(), kq.to_bits());
+                        }
                         let v_at = if got.v_by_channel {
                             c * 128 + t
                         } else {
                             t * d + c
                         };
-                        let v = if got.v_in_codes {
-                            got.v_codes[v_at] as f32
-                        } else {
-                            got.v_units[v_at]
-                        };
-                        assert_eq!(v.to_bits(), vq.to_bits());
+                        if got.v_fragments.is_none() {
+                            assert_eq!(got.v_units[v_at].to_bits(), vq.to_bits());
+                        }
                     }
                 }
                 let want = super::super::body_codec::reference_half(&layout, &rec).unwrap();
@@ -532,36 +382,6 @@ mod tests {
                     assert_eq!(bits(a), bits(b), "{d} {k}/{v} {body:?}");
                 }
                 assert!(reader.read(&rec[1..], &mut got).is_err());
-            }
-        }
-    }
-
-    /// Both tile readers (portable, and AVX-512 where the CPU has it) put every nibble where
-    /// the layout's `code_bit` says, for the key and the value side.
-    #[test]
-    fn fragment_tiles_follow_the_layout() {
-        let layout = RecordLayout::new(64, 128, 4, 4, Body::Scalar).unwrap();
-        let mut rng = SplitMix64::new(2);
-        for is_v in [false, true] {
-            let stride = if is_v { 64 } else { 128 };
-            let bytes: Vec<u8> = (0..128).map(|_| rng.next_u64() as u8).collect();
-            let mut want = vec![-1f32; 16 * stride];
-            for tt in 0..16 {
-                for dd in 0..16 {
-                    let q = unpack(&bytes, layout.code_bit(tt, dd, is_v), 4) as f32;
-                    let (row, col) = if is_v { (tt, dd) } else { (dd, tt) };
-                    want[row * stride + col] = q;
-                }
-            }
-            let mut got = vec![-1f32; 16 * stride];
-            fragment_tile_portable(&bytes, &mut got, stride);
-            assert_eq!(got, want, "portable, is_v {is_v}");
-            #[cfg(target_arch = "x86_64")]
-            if crate::simd::avx512() {
-                let mut fast = vec![-1f32; 16 * stride];
-                // SAFETY: AVX-512 is present (checked); sizes as `fragment_tile` requires.
-                unsafe { fragment_tile_avx512(&bytes, &mut fast, stride) };
-                assert_eq!(fast, want, "avx512, is_v {is_v}");
             }
         }
     }

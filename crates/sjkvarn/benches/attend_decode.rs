@@ -1,0 +1,95 @@
+//! One decode query over one layer of a compressed cache, timed in Rust (no Python, no torch):
+//! the quick loop for tuning the CPU attention kernels and for profiling them
+//! (`perf record -g target/release/deps/attend_decode-*`). `benches/attention_cpu.py` is the
+//! side-by-side comparison with torch SDPA that the README quotes.
+//!
+//! Run: `cargo bench -p sjkvarn --bench attend_decode -- [--tokens 65536] [--geometry 24/4/256]
+//! [--body 4/4|3/2t] [--repeats 21]` (threads: `RAYON_NUM_THREADS`). The filled cache is kept
+//! as a snapshot under `target/` so a rerun skips the seal.
+
+use sjkvarn::body::{BodyCoding, TrellisAxis};
+use sjkvarn::cache::attention::attend;
+use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
+use sjkvarn::rng::SplitMix64;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_else(|| default.to_string())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let tokens: usize = arg(&args, "--tokens", "65536").parse().expect("--tokens");
+    let geometry = arg(&args, "--geometry", "24/4/256");
+    let body = arg(&args, "--body", "4/4");
+    let repeats: usize = arg(&args, "--repeats", "21").parse().expect("--repeats");
+    let g: Vec<usize> = geometry
+        .split('/')
+        .map(|x| x.parse().expect("geometry"))
+        .collect();
+    let (qh, kvh, d) = (g[0], g[1], g[2]);
+    let trellis = body.ends_with('t');
+    let bits: Vec<u32> = body
+        .trim_end_matches('t')
+        .split('/')
+        .map(|x| x.parse().expect("body"))
+        .collect();
+    let mut coding = LayerCoding::scalar(bits[0], bits[1]);
+    if trellis {
+        coding.k_coding = BodyCoding::Trellis(TrellisAxis::Token);
+        coding.v_coding = BodyCoding::Trellis(TrellisAxis::Token);
+    }
+    let cfg = Arc::new(CacheConfig::uniform(1, qh, kvh, d, coding, tokens + 1));
+    let path = std::path::PathBuf::from(format!(
+        "target/attend_decode_{}_{}_{}.sjkv",
+        geometry.replace('/', "-"),
+        body.replace('/', "-"),
+        tokens
+    ));
+    let mut rng = SplitMix64::new(tokens as u64);
+    let seq = match Sequence::load(&path, None, Some(&cfg)) {
+        Ok(seq) => seq,
+        Err(_) => {
+            let pool = Sequence::pool_for(&cfg, 1);
+            let mut seq = Sequence::new(cfg.clone(), pool).expect("sequence");
+            let start = Instant::now();
+            while seq.len(0).unwrap() < tokens {
+                let n = seq
+                    .chunk_limit(0)
+                    .unwrap()
+                    .min(tokens - seq.len(0).unwrap());
+                let (k, v) = (rng.gaussians(n * kvh * d), rng.gaussians(n * kvh * d));
+                seq.append(0, &k, &v).expect("append");
+            }
+            eprintln!(
+                "filled {tokens} tokens in {:.1} s",
+                start.elapsed().as_secs_f64()
+            );
+            let _ = seq.save(&path);
+            seq
+        }
+    };
+    let q = rng.gaussians(qh * d);
+    let _ = attend(&seq, 0, &q, None).expect("attend");
+    let mut times: Vec<f64> = (0..repeats)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(attend(&seq, 0, &q, None).expect("attend"));
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let m = seq.memory();
+    println!(
+        "{geometry} {body} {tokens} tokens, {} sealed: median {:.2} ms (min {:.2}, max {:.2}) over {repeats}",
+        m.sealed_tokens,
+        times[repeats / 2],
+        times[0],
+        times[repeats - 1]
+    );
+}

@@ -1,0 +1,522 @@
+//! Body records' 4-bit sides scored straight from their packed fragment tiles with integer dot
+//! products: no unpacked copy of the codes, no int-to-float conversion per code.
+//!
+//! The float operand of a sum (the rotated query times the key scales, or the softmax weights
+//! times the value steps) is rounded once per record and query pair to 16-bit fixed point,
+//! `x[i] ~ n[i] 2^e` with `|n[i]| <= 32512` (a relative step of 1/32512 of its largest entry,
+//! far below the 4-bit codes' own rounding), and `sum_i n[i] u[i]` over the codes is then exact
+//! in `i32`. Exact sums do not depend on their order, so every instruction set gives the same
+//! bits: the portable loop sums `n * u` directly; AVX-512 VNNI splits `n = 256 hi + lo` into two
+//! signed bytes and runs `vpdpbusd` (64 byte products per instruction) on the nibbles as they
+//! lie in the record.
+//!
+//! Fragment tiles (docs/formats.md): a 16x16 tile is 32 little-endian words; word `4b + a`,
+//! nibble `j` holds row `2a + 8((j >> 1) & 1) + (j >> 2)`, column `8(j & 1) + b`. Keys' rows
+//! are channels and columns tokens; values' rows are tokens and columns channels. Both sums run
+//! over rows, so one kernel serves both: byte `k` of word `4b + a` holds, in its low nibble,
+//! rows `2a + 8(k & 1) + (k >> 1)` of column `b` and, in its high nibble, the same rows of
+//! column `8 + b`: four rows per 32-bit lane, which is what one `vpdpbusd` lane sums.
+
+use crate::simd::Ahead;
+
+/// Largest `|n|` of a fixed-point operand: `hi = (n + 128) >> 8` stays a signed byte.
+const FIXED_LIMIT: f32 = 32512.0;
+
+/// Operands whose largest entry is below this are taken as zero (their products are below
+/// `2^-96` of a code, and the exponent stays inside f32's normal range).
+const FIXED_FLOOR: f32 = 1.0 / (1u128 << 100) as f32;
+
+/// Rows and columns of a fragment tile.
+pub(crate) const TILE: usize = 16;
+
+/// Bytes of a fragment tile.
+const TILE_BYTES: usize = TILE * TILE / 2;
+
+/// The scale `2^e` of a fixed-point operand whose largest magnitude is `m`, and `2^-e`: the
+/// largest `e` with `m 2^-e <= FIXED_LIMIT`. `(NaN, 0)` for a non-finite operand (the sums
+/// come out NaN, as float arithmetic would give), `(0, 0)` below [`FIXED_FLOOR`].
+fn fixed_scale(m: f32, finite: bool) -> (f32, f32) {
+    if !finite || !m.is_finite() {
+        return (f32::NAN, 0.0);
+    }
+    if m < FIXED_FLOOR {
+        return (0.0, 0.0);
+    }
+    // m = 1.f 2^E; e = E - 14 puts m 2^-e in [2^14, 2^15); one more if above the limit.
+    let exp = ((m.to_bits() >> 23) & 0xff) as i32 - 127;
+    let mut e = exp - 14;
+    if m * pow2(-e) > FIXED_LIMIT {
+        e += 1;
+    }
+    (pow2(e), pow2(-e))
+}
+
+/// `2^e` for `e` inside f32's normal exponents.
+fn pow2(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// Rounds `x` to fixed point: writes `n[i] = round_ties_even(x[i] 2^-e)` and returns `2^e`.
+pub(crate) fn to_fixed(x: &[f32], n: &mut [i32]) -> f32 {
+    let finite = x.iter().all(|v| v.is_finite());
+    let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (scale, inv) = fixed_scale(m, finite);
+    for (o, &v) in n.iter_mut().zip(x) {
+        *o = if scale > 0.0 {
+            (v * inv).round_ties_even() as i32
+        } else {
+            0
+        };
+    }
+    scale
+}
+
+/// Where a side's tiles lie: tile `(col, row)` (column tile `col` of the output, row tile
+/// `row` of the sum) starts at byte `(col * col_stride + row * row_stride) * 128` of the
+/// payload. Keys: columns are token tiles (`D / 16` tiles apart), rows channel tiles
+/// (consecutive); values: columns are channel tiles (consecutive), rows token tiles.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileGrid {
+    pub cols: usize,
+    pub rows: usize,
+    pub col_stride: usize,
+    pub row_stride: usize,
+}
+
+impl TileGrid {
+    fn tile<'a>(&self, payload: &'a [u8], col: usize, row: usize) -> &'a [u8] {
+        let at = (col * self.col_stride + row * self.row_stride) * TILE_BYTES;
+        &payload[at..at + TILE_BYTES]
+    }
+
+    /// The payload must hold every tile of the grid.
+    fn check(&self, payload: &[u8]) {
+        if self.cols > 0 && self.rows > 0 {
+            let last = (self.cols - 1) * self.col_stride + (self.rows - 1) * self.row_stride;
+            assert!(payload.len() >= (last + 1) * TILE_BYTES, "fragment grid");
+        }
+    }
+}
+
+/// `out[s][c] = sum_r n[s][r] u[r][c]` over the grid's codes (`out` holds `cols * 16` sums
+/// per operand, `n` holds `rows * 16` entries per operand, `stride` apart), the portable way.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fragment_dots_portable(
+    payload: &[u8],
+    grid: TileGrid,
+    operands: usize,
+    n: &[i32],
+    stride: usize,
+    out: &mut [i32],
+    ahead: &mut Ahead,
+) {
+    grid.check(payload);
+    let mut codes = [[0u8; TILE]; TILE];
+    for col in 0..grid.cols {
+        let mut acc = [[0i32; TILE]; crate::cache::tile_gemm::MAX_ROWS];
+        for row in 0..grid.rows {
+            ahead.step();
+            unpack_tile(grid.tile(payload, col, row), &mut codes);
+            for (s, acc) in acc.iter_mut().enumerate().take(operands) {
+                let q = &n[s * stride + row * TILE..s * stride + (row + 1) * TILE];
+                for (r, line) in codes.iter().enumerate() {
+                    for (a, &u) in acc.iter_mut().zip(line) {
+                        *a += q[r] * u as i32;
+                    }
+                }
+            }
+        }
+        for (s, acc) in acc.iter().enumerate().take(operands) {
+            out[s * grid.cols * TILE + col * TILE..][..TILE].copy_from_slice(acc);
+        }
+    }
+}
+
+/// One tile's codes as `[row][column]`.
+fn unpack_tile(bytes: &[u8], codes: &mut [[u8; TILE]; TILE]) {
+    for (w, word) in bytes.chunks_exact(4).enumerate() {
+        let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+        let (b, a) = (w / 4, w % 4);
+        for j in 0..8 {
+            let row = 2 * a + 8 * ((j >> 1) & 1) + (j >> 2);
+            codes[row][8 * (j & 1) + b] = ((word >> (4 * j)) & 15) as u8;
+        }
+    }
+}
+
+/// Buffers of [`fragment_products`], reused record after record.
+#[derive(Default)]
+pub(crate) struct FragmentScratch {
+    n: Vec<i32>,
+    hi: Vec<u8>,
+    lo: Vec<u8>,
+    sums: Vec<i32>,
+}
+
+/// `out[s * out_stride + c] = 2^e_s * sum_r n_s[r] u[r][c]` for the `operands` float rows
+/// of `x` (`x_stride` apart, `grid.rows * 16` entries used), each rounded to fixed point
+/// ([`to_fixed`]): the product a body record's 4-bit side contributes, straight from its
+/// fragment tiles. The same bits with or without VNNI.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fragment_products(
+    vnni: bool,
+    payload: &[u8],
+    grid: TileGrid,
+    operands: usize,
+    x: &[f32],
+    x_stride: usize,
+    sc: &mut FragmentScratch,
+    out: &mut [f32],
+    out_stride: usize,
+    ahead: &mut Ahead,
+) {
+    let (len, cols) = (grid.rows * TILE, grid.cols * TILE);
+    assert!(
+        operands <= crate::cache::tile_gemm::MAX_ROWS,
+        "fragment operands"
+    );
+    let mut scales = [0.0f32; crate::cache::tile_gemm::MAX_ROWS];
+    sc.sums.resize(operands * cols, 0);
+    #[cfg(target_arch = "x86_64")]
+    if vnni {
+        sc.hi.resize(operands * len, 0);
+        sc.lo.resize(operands * len, 0);
+        for (s, scale) in scales.iter_mut().enumerate().take(operands) {
+            let row = &x[s * x_stride..s * x_stride + len];
+            let (hi, lo) = (&mut sc.hi[s * len..][..len], &mut sc.lo[s * len..][..len]);
+            // SAFETY: `vnni` is only set where `simd::avx512_vnni` reported the features;
+            // the byte buffers hold `len` entries.
+            *scale = unsafe { vnni::to_fixed_bytes(row, hi, lo) };
+        }
+        // At most six operands per pass keep the accumulators in registers.
+        let passes = operands.div_ceil(vnni::MAX_OPERANDS);
+        let per = operands.div_ceil(passes.max(1));
+        let mut first = 0;
+        while first < operands {
+            let m = per.min(operands - first);
+            let (hi, lo) = (&sc.hi[first * len..], &sc.lo[first * len..]);
+            let sums = &mut sc.sums[first * cols..];
+            macro_rules! call {
+                ($m:literal) => {
+                    // SAFETY: as above; the operand and sum buffers hold `m` rows.
+                    unsafe {
+                        vnni::fragment_dots::<$m>(payload, grid, hi, lo, len, sums, cols, ahead)
+                    }
+                };
+            }
+            match m {
+                1 => call!(1),
+                2 => call!(2),
+                3 => call!(3),
+                4 => call!(4),
+                5 => call!(5),
+                _ => call!(6),
+            }
+            first += m;
+        }
+    }
+    if !vnni || cfg!(not(target_arch = "x86_64")) {
+        sc.n.resize(operands * len, 0);
+        for (s, scale) in scales.iter_mut().enumerate().take(operands) {
+            let row = &x[s * x_stride..s * x_stride + len];
+            *scale = to_fixed(row, &mut sc.n[s * len..(s + 1) * len]);
+        }
+        fragment_dots_portable(payload, grid, operands, &sc.n, len, &mut sc.sums, ahead);
+    }
+    for (s, &scale) in scales.iter().enumerate().take(operands) {
+        let sums = &sc.sums[s * cols..(s + 1) * cols];
+        for (o, &v) in out[s * out_stride..s * out_stride + cols]
+            .iter_mut()
+            .zip(sums)
+        {
+            *o = v as f32 * scale;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod vnni {
+    //! AVX-512 VNNI: the operands as two signed bytes each, in the tiles' row order, and
+    //! `vpdpbusd` straight on the packed nibbles.
+
+    use super::{fixed_scale, TileGrid, TILE, TILE_BYTES};
+    use crate::simd::Ahead;
+    use std::arch::x86_64::*;
+
+    /// Operands per kernel call: 4 accumulators each, plus the codes, stay in registers.
+    pub(crate) const MAX_OPERANDS: usize = 6;
+
+    /// Byte `4a + k` of a 16-row group takes row `2a + 8(k & 1) + (k >> 1)`: the rows a
+    /// fragment word's byte `k` holds, so one 32-bit lane meets its four rows.
+    const ROW_ORDER: [i8; 16] = {
+        let mut p = [0i8; 16];
+        let mut i = 0;
+        while i < 16 {
+            let (a, k) = (i / 4, i % 4);
+            p[i] = (2 * a + 8 * (k & 1) + (k >> 1)) as i8;
+            i += 1;
+        }
+        p
+    };
+
+    /// [`super::to_fixed`] for AVX-512: the same `n` (one exact multiply by `2^-e` and a
+    /// round to nearest even), written as `hi = (n + 128) >> 8` and `lo = n - 256 hi` bytes in
+    /// [`ROW_ORDER`] within each group of 16. `x.len()` must be a multiple of 16.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL; `hi` and `lo` must hold `x.len()` bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn to_fixed_bytes(x: &[f32], hi: &mut [u8], lo: &mut [u8]) -> f32 {
+        assert!(x.len().is_multiple_of(TILE) && hi.len() >= x.len() && lo.len() >= x.len());
+        let mut most = _mm512_setzero_ps();
+        let mut bad: __mmask16 = 0;
+        for chunk in x.chunks_exact(TILE) {
+            // SAFETY: 16 floats in `chunk`.
+            let v = _mm512_loadu_ps(chunk.as_ptr());
+            most = _mm512_max_ps(most, _mm512_abs_ps(v));
+            // Not finite: |v| is not below infinity (NaN compares unordered, hence false).
+            bad |=
+                !_mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_abs_ps(v), _mm512_set1_ps(f32::INFINITY));
+        }
+        let (scale, inv) = fixed_scale(_mm512_reduce_max_ps(most), bad == 0);
+        let order = _mm_loadu_si128(ROW_ORDER.as_ptr() as *const __m128i);
+        let inv = _mm512_set1_ps(if scale > 0.0 { inv } else { 0.0 });
+        for (g, chunk) in x.chunks_exact(TILE).enumerate() {
+            // SAFETY: 16 floats in `chunk`; 16 bytes at `16 g` of `hi` and `lo` (checked).
+            let n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(chunk.as_ptr()), inv));
+            let h = _mm512_srai_epi32::<8>(_mm512_add_epi32(n, _mm512_set1_epi32(128)));
+            let l = _mm512_sub_epi32(n, _mm512_slli_epi32::<8>(h));
+            let (h, l) = (_mm512_cvtepi32_epi8(h), _mm512_cvtepi32_epi8(l));
+            let (h, l) = (_mm_shuffle_epi8(h, order), _mm_shuffle_epi8(l, order));
+            _mm_storeu_si128(hi.as_mut_ptr().add(g * TILE) as *mut __m128i, h);
+            _mm_storeu_si128(lo.as_mut_ptr().add(g * TILE) as *mut __m128i, l);
+        }
+        scale
+    }
+
+    /// [`super::fragment_dots_portable`] for `M` operands (bytes from [`to_fixed_bytes`],
+    /// `stride` apart; sums `cols * 16` per operand, `out_stride` apart).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL and VNNI; `hi`/`lo` must hold `M` operands of
+    /// `grid.rows * 16` bytes and `out` `M` rows of `grid.cols * 16` sums.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn fragment_dots<const M: usize>(
+        payload: &[u8],
+        grid: TileGrid,
+        hi: &[u8],
+        lo: &[u8],
+        stride: usize,
+        out: &mut [i32],
+        out_stride: usize,
+        ahead: &mut Ahead,
+    ) {
+        grid.check(payload);
+        assert!(
+            M > 0
+                && hi.len() >= (M - 1) * stride + grid.rows * TILE
+                && lo.len() >= (M - 1) * stride + grid.rows * TILE
+                && out.len() >= (M - 1) * out_stride + grid.cols * TILE,
+            "fragment operands"
+        );
+        let nibble = _mm512_set1_epi8(15);
+        // Lanes (b, a) -> [column b of each 128-bit lane, then column 8 + b]: lane 4b' of the
+        // summed low and high vectors, interleaved by `unpack`, picked in column order.
+        let pick = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        let (hp, lp, op) = (hi.as_ptr(), lo.as_ptr(), out.as_mut_ptr());
+        for col in 0..grid.cols {
+            for half in 0..2 {
+                let zero = _mm512_setzero_si512();
+                let (mut hl, mut ll, mut hh, mut lh) = ([zero; M], [zero; M], [zero; M], [zero; M]);
+                for row in 0..grid.rows {
+                    ahead.step();
+                    let at = (col * grid.col_stride + row * grid.row_stride) * TILE_BYTES;
+                    // SAFETY (all reads here): `grid.check` and the asserts above bound every
+                    // tile, operand and sum offset.
+                    let w = _mm512_loadu_si512(payload.as_ptr().add(at + 64 * half) as *const _);
+                    let low = _mm512_and_si512(w, nibble);
+                    let high = _mm512_and_si512(_mm512_srli_epi32::<4>(w), nibble);
+                    for s in 0..M {
+                        let h = _mm512_broadcast_i32x4(_mm_loadu_si128(
+                            hp.add(s * stride + row * TILE) as *const __m128i,
+                        ));
+                        let l = _mm512_broadcast_i32x4(_mm_loadu_si128(
+                            lp.add(s * stride + row * TILE) as *const __m128i,
+                        ));
+                        hl[s] = _mm512_dpbusd_epi32(hl[s], low, h);
+                        ll[s] = _mm512_dpbusd_epi32(ll[s], low, l);
+                        hh[s] = _mm512_dpbusd_epi32(hh[s], high, h);
+                        lh[s] = _mm512_dpbusd_epi32(lh[s], high, l);
+                    }
+                }
+                for s in 0..M {
+                    // n = 256 hi + lo, then the four row lanes (a) of each column summed.
+                    let x = _mm512_add_epi32(_mm512_slli_epi32::<8>(hl[s]), ll[s]);
+                    let y = _mm512_add_epi32(_mm512_slli_epi32::<8>(hh[s]), lh[s]);
+                    let t =
+                        _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+                    let t = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b01_00_11_10>(t));
+                    let t = _mm512_permutexvar_epi32(pick, t);
+                    let o = op.add(s * out_stride + col * TILE + 4 * half);
+                    _mm_storeu_si128(o as *mut __m128i, _mm512_castsi512_si128(t));
+                    _mm_storeu_si128(o.add(8) as *mut __m128i, _mm512_extracti32x4_epi32::<1>(t));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::layout::{unpack, Body, RecordLayout};
+    use crate::rng::SplitMix64;
+
+    /// Fixed point rounds to nearest with the stated limit; zero, tiny and non-finite
+    /// operands come out as stated.
+    #[test]
+    fn fixed_point_rounds_within_its_limit() {
+        let mut rng = SplitMix64::new(9);
+        for magnitude in [1e-20f32, 3e-3, 1.0, 7.5e4, 1e30] {
+            let x: Vec<f32> = rng.gaussians(256).iter().map(|v| v * magnitude).collect();
+            let mut n = vec![0i32; 256];
+            let scale = to_fixed(&x, &mut n);
+            let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let top = n.iter().map(|v| v.abs()).max().unwrap();
+            assert!(top <= 32512 && top > 16256, "{magnitude}: {top}");
+            for (&v, &q) in x.iter().zip(&n) {
+                assert!(
+                    (v - q as f32 * scale).abs() <= 0.5 * scale,
+                    "{v} {q} {scale}"
+                );
+            }
+            assert!(scale <= m / 16256.0);
+        }
+        let mut n = vec![7i32; 16];
+        assert_eq!(to_fixed(&[0.0; 16], &mut n), 0.0);
+        assert!(n.iter().all(|&v| v == 0));
+        let mut x = vec![1.0f32; 16];
+        x[3] = f32::INFINITY;
+        assert!(to_fixed(&x, &mut n).is_nan());
+        x[3] = f32::NAN;
+        assert!(to_fixed(&x, &mut n).is_nan());
+    }
+
+    /// The portable sums are the plain sums over the layout's codes, for keys (sum over
+    /// channels per token) and values (sum over tokens per channel).
+    #[test]
+    fn portable_sums_follow_the_layout() {
+        let (d, g) = (64usize, 128usize);
+        let layout = RecordLayout::new(d, g, 4, 4, Body::Scalar).unwrap();
+        let mut rng = SplitMix64::new(4);
+        let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
+        for is_v in [false, true] {
+            let payload = layout.payload(&rec, is_v);
+            let (grid, rows, cols) = grid_of(d, g, is_v);
+            let n: Vec<i32> = (0..2 * rows)
+                .map(|_| (rng.next_u64() % 65025) as i32 - 32512)
+                .collect();
+            let mut out = vec![0i32; 2 * cols];
+            fragment_dots_portable(payload, grid, 2, &n, rows, &mut out, &mut Ahead::new(&[]));
+            for s in 0..2 {
+                for c in 0..cols {
+                    let want: i64 = (0..rows)
+                        .map(|r| {
+                            let (t, ch) = if is_v { (r, c) } else { (c, r) };
+                            let u = unpack(payload, layout.code_bit(t, ch, is_v), 4) as i64;
+                            n[s * rows + r] as i64 * u
+                        })
+                        .sum();
+                    assert_eq!(out[s * cols + c] as i64, want, "is_v {is_v}");
+                }
+            }
+        }
+    }
+
+    fn grid_of(d: usize, g: usize, is_v: bool) -> (TileGrid, usize, usize) {
+        let tiles_d = d / TILE;
+        if is_v {
+            let grid = TileGrid {
+                cols: tiles_d,
+                rows: g / TILE,
+                col_stride: 1,
+                row_stride: tiles_d,
+            };
+            (grid, g, d)
+        } else {
+            let grid = TileGrid {
+                cols: g / TILE,
+                rows: tiles_d,
+                col_stride: tiles_d,
+                row_stride: 1,
+            };
+            (grid, d, g)
+        }
+    }
+
+    /// The VNNI kernel and its byte operands give the portable sums exactly, for every
+    /// operand count, both sides and operands at the fixed-point limit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_sums_equal_the_portable_sums() {
+        if !crate::simd::avx512_vnni() {
+            eprintln!("no AVX-512 VNNI here: nothing to compare");
+            return;
+        }
+        let mut rng = SplitMix64::new(12);
+        for (d, g) in [(64usize, 128usize), (256, 128)] {
+            let layout = RecordLayout::new(d, g, 4, 4, Body::Scalar).unwrap();
+            let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
+            for is_v in [false, true] {
+                let payload = layout.payload(&rec, is_v);
+                let (grid, rows, cols) = grid_of(d, g, is_v);
+                let m = vnni::MAX_OPERANDS;
+                let mut x: Vec<f32> = rng.gaussians(m * rows);
+                x[0] = 1e6; // one operand dominated by a single entry: n at the limit
+                let mut n = vec![0i32; m * rows];
+                let (mut hi, mut lo) = (vec![0u8; m * rows], vec![0u8; m * rows]);
+                for s in 0..m {
+                    let (xs, ns) = (
+                        &x[s * rows..(s + 1) * rows],
+                        &mut n[s * rows..(s + 1) * rows],
+                    );
+                    let want = to_fixed(xs, ns);
+                    // SAFETY: AVX-512 VNNI present (checked); buffer sizes as required.
+                    let got = unsafe {
+                        vnni::to_fixed_bytes(
+                            xs,
+                            &mut hi[s * rows..(s + 1) * rows],
+                            &mut lo[s * rows..(s + 1) * rows],
+                        )
+                    };
+                    assert_eq!(want.to_bits(), got.to_bits());
+                }
+                let mut want = vec![0i32; m * cols];
+                fragment_dots_portable(payload, grid, m, &n, rows, &mut want, &mut Ahead::new(&[]));
+                let mut got = vec![0i32; m * cols];
+                // SAFETY: as above.
+                unsafe {
+                    vnni::fragment_dots::<{ vnni::MAX_OPERANDS }>(
+                        payload,
+                        grid,
+                        &hi,
+                        &lo,
+                        rows,
+                        &mut got,
+                        cols,
+                        &mut Ahead::new(&[]),
+                    )
+                };
+                assert_eq!(want, got, "D {d}, is_v {is_v}");
+                let mut one = vec![0i32; cols];
+                // SAFETY: as above.
+                unsafe {
+                    let ahead = &mut Ahead::new(&rec);
+                    vnni::fragment_dots::<1>(payload, grid, &hi, &lo, rows, &mut one, cols, ahead)
+                };
+                assert_eq!(&want[..cols], &one[..], "one operand");
+            }
+        }
+    }
+}
