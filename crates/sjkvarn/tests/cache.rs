@@ -553,12 +553,16 @@ fn the_sink_length_is_configurable_as_the_reference_allows() {
 }
 
 /// Attention over sealed records equals attention over the rows those records decode to (f64
-/// reference), for scalar and trellis bodies: reading the records in place (4-bit sides in
-/// 16-bit fixed point with integer sums, the others as float units) costs at most 1e-4 of
-/// the output's size.
+/// reference), for scalar and trellis bodies: reading the records in place costs at most 3e-4
+/// of the output's size (4-bit sides, whose operands are rounded to 16-bit fixed point for
+/// exact integer sums: about 1e-4 here; float units: about 1e-6).
 #[test]
 fn sealed_records_attend_as_their_decoded_rows() {
-    for coding in [LayerCoding::scalar(4, 4), LayerCoding::scalar(4, 2), trellis(3, 2)] {
+    for coding in [
+        LayerCoding::scalar(4, 4),
+        LayerCoding::scalar(4, 2),
+        trellis(3, 2),
+    ] {
         let cfg = small_config(Staging::F16, coding);
         let codec = cfg.body_codec(0);
         let (rb, kvh, qh) = (codec.record_bytes(), 2, 4);
@@ -594,7 +598,11 @@ fn sealed_records_attend_as_their_decoded_rows() {
             }
         }
         for rows in [1usize, 9] {
-            let q: Vec<f32> = rng.gaussians(rows * qh * D).iter().map(|x| 3.0 * x).collect();
+            let q: Vec<f32> = rng
+                .gaussians(rows * qh * D)
+                .iter()
+                .map(|x| 3.0 * x)
+                .collect();
             let got = attend(&seq, 0, &q, None).unwrap();
             let want = reference(&kd, &vd, &q, n, qh, kvh);
             let norm = want.iter().map(|x| x * x).sum::<f32>().sqrt();
@@ -604,8 +612,11 @@ fn sealed_records_attend_as_their_decoded_rows() {
                 .map(|(a, b)| (a - b) * (a - b))
                 .sum::<f32>()
                 .sqrt();
-            eprintln!("{coding:?}, {rows} rows: error {:.2e} of the norm", err / norm);
-            //assert!(err <= 1e-4 * norm, "{coding:?}: {err} vs norm {norm}");
+            eprintln!(
+                "{coding:?}, {rows} rows: error {:.2e} of the norm",
+                err / norm
+            );
+            assert!(err <= 3e-4 * norm, "{coding:?}: {err} vs norm {norm}");
         }
     }
 }

@@ -17,6 +17,7 @@
 //! rows `2a + 8(k & 1) + (k >> 1)` of column `b` and, in its high nibble, the same rows of
 //! column `8 + b`: four rows per 32-bit lane, which is what one `vpdpbusd` lane sums.
 
+use super::online_softmax::lane_sum;
 use crate::simd::Ahead;
 
 /// Largest `|n|` of a fixed-point operand: `hi = (n + 128) >> 8` stays a signed byte.
@@ -56,19 +57,22 @@ fn pow2(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
 
-/// Rounds `x` to fixed point: writes `n[i] = round_ties_even(x[i] 2^-e)` and returns `2^e`.
-pub(crate) fn to_fixed(x: &[f32], n: &mut [i32]) -> f32 {
+/// Rounds `x` to fixed point: writes `n[i] = round_ties_even(x[i] 2^-e)` and returns `2^e`
+/// and `sum_i n[i]`.
+pub(crate) fn to_fixed(x: &[f32], n: &mut [i32]) -> (f32, i32) {
     let finite = x.iter().all(|v| v.is_finite());
     let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (scale, inv) = fixed_scale(m, finite);
+    let mut total = 0i32;
     for (o, &v) in n.iter_mut().zip(x) {
         *o = if scale > 0.0 {
             (v * inv).round_ties_even() as i32
         } else {
             0
         };
+        total += *o;
     }
-    scale
+    (scale, total)
 }
 
 /// Where a side's tiles lie: tile `(col, row)` (column tile `col` of the output, row tile
@@ -153,10 +157,13 @@ pub(crate) struct FragmentScratch {
     sums: Vec<i32>,
 }
 
-/// `out[s * out_stride + c] = 2^e_s * sum_r n_s[r] u[r][c]` for the `operands` float rows
-/// of `x` (`x_stride` apart, `grid.rows * 16` entries used), each rounded to fixed point
-/// ([`to_fixed`]): the product a body record's 4-bit side contributes, straight from its
-/// fragment tiles. The same bits with or without VNNI.
+/// `out[s * out_stride + c] ~ sum_r x_s[r] u[r][c]` for the `operands` float rows of `x`
+/// (`x_stride` apart, `grid.rows * 16` entries used): the product a body record's 4-bit side
+/// contributes, straight from its fragment tiles. Each row is rounded to fixed point
+/// ([`to_fixed`]) and the codes centred on 7.5, so the rounding meets only `u - 7.5`: the
+/// product is `2^e sum_r n[r] (u[r][c] - 7.5) + 7.5 sum_r x[r]`, the first sum exact in
+/// integers (`(2 S - 15 N) 2^(e-1)`), the second a fixed-order float sum. Centring halves the
+/// rounding's reach (codes sit around 7.5). The same bits with or without VNNI.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fragment_products(
     vnni: bool,
@@ -176,17 +183,18 @@ pub(crate) fn fragment_products(
         "fragment operands"
     );
     let mut scales = [0.0f32; crate::cache::tile_gemm::MAX_ROWS];
+    let mut totals = [0i32; crate::cache::tile_gemm::MAX_ROWS];
     sc.sums.resize(operands * cols, 0);
     #[cfg(target_arch = "x86_64")]
     if vnni {
         sc.hi.resize(operands * len, 0);
         sc.lo.resize(operands * len, 0);
-        for (s, scale) in scales.iter_mut().enumerate().take(operands) {
+        for s in 0..operands {
             let row = &x[s * x_stride..s * x_stride + len];
             let (hi, lo) = (&mut sc.hi[s * len..][..len], &mut sc.lo[s * len..][..len]);
             // SAFETY: `vnni` is only set where `simd::avx512_vnni` reported the features;
             // the byte buffers hold `len` entries.
-            *scale = unsafe { vnni::to_fixed_bytes(row, hi, lo) };
+            (scales[s], totals[s]) = unsafe { vnni::to_fixed_bytes(row, hi, lo) };
         }
         // At most six operands per pass keep the accumulators in registers.
         let passes = operands.div_ceil(vnni::MAX_OPERANDS);
@@ -217,19 +225,21 @@ pub(crate) fn fragment_products(
     }
     if !vnni || cfg!(not(target_arch = "x86_64")) {
         sc.n.resize(operands * len, 0);
-        for (s, scale) in scales.iter_mut().enumerate().take(operands) {
+        for s in 0..operands {
             let row = &x[s * x_stride..s * x_stride + len];
-            *scale = to_fixed(row, &mut sc.n[s * len..(s + 1) * len]);
+            (scales[s], totals[s]) = to_fixed(row, &mut sc.n[s * len..(s + 1) * len]);
         }
         fragment_dots_portable(payload, grid, operands, &sc.n, len, &mut sc.sums, ahead);
     }
-    for (s, &scale) in scales.iter().enumerate().take(operands) {
+    for s in 0..operands {
         let sums = &sc.sums[s * cols..(s + 1) * cols];
+        let (half, centre) = (0.5 * scales[s], 7.5 * lane_sum(&x[s * x_stride..][..len]));
+        let shift = 15 * totals[s];
         for (o, &v) in out[s * out_stride..s * out_stride + cols]
             .iter_mut()
             .zip(sums)
         {
-            *o = v as f32 * scale;
+            *o = (2 * v - shift) as f32 * half + centre;
         }
     }
 }
@@ -266,7 +276,7 @@ pub(crate) mod vnni {
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL; `hi` and `lo` must hold `x.len()` bytes.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(crate) unsafe fn to_fixed_bytes(x: &[f32], hi: &mut [u8], lo: &mut [u8]) -> f32 {
+    pub(crate) unsafe fn to_fixed_bytes(x: &[f32], hi: &mut [u8], lo: &mut [u8]) -> (f32, i32) {
         assert!(x.len().is_multiple_of(TILE) && hi.len() >= x.len() && lo.len() >= x.len());
         let mut most = _mm512_setzero_ps();
         let mut bad: __mmask16 = 0;
@@ -281,9 +291,11 @@ pub(crate) mod vnni {
         let (scale, inv) = fixed_scale(_mm512_reduce_max_ps(most), bad == 0);
         let order = _mm_loadu_si128(ROW_ORDER.as_ptr() as *const __m128i);
         let inv = _mm512_set1_ps(if scale > 0.0 { inv } else { 0.0 });
+        let mut total = _mm512_setzero_si512();
         for (g, chunk) in x.chunks_exact(TILE).enumerate() {
             // SAFETY: 16 floats in `chunk`; 16 bytes at `16 g` of `hi` and `lo` (checked).
             let n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(chunk.as_ptr()), inv));
+            total = _mm512_add_epi32(total, n);
             let h = _mm512_srai_epi32::<8>(_mm512_add_epi32(n, _mm512_set1_epi32(128)));
             let l = _mm512_sub_epi32(n, _mm512_slli_epi32::<8>(h));
             let (h, l) = (_mm512_cvtepi32_epi8(h), _mm512_cvtepi32_epi8(l));
@@ -291,7 +303,7 @@ pub(crate) mod vnni {
             _mm_storeu_si128(hi.as_mut_ptr().add(g * TILE) as *mut __m128i, h);
             _mm_storeu_si128(lo.as_mut_ptr().add(g * TILE) as *mut __m128i, l);
         }
-        scale
+        (scale, _mm512_reduce_add_epi32(total))
     }
 
     /// [`super::fragment_dots_portable`] for `M` operands (bytes from [`to_fixed_bytes`],
@@ -381,7 +393,8 @@ mod tests {
         for magnitude in [1e-20f32, 3e-3, 1.0, 7.5e4, 1e30] {
             let x: Vec<f32> = rng.gaussians(256).iter().map(|v| v * magnitude).collect();
             let mut n = vec![0i32; 256];
-            let scale = to_fixed(&x, &mut n);
+            let (scale, total) = to_fixed(&x, &mut n);
+            assert_eq!(total, n.iter().sum::<i32>());
             let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let top = n.iter().map(|v| v.abs()).max().unwrap();
             assert!(top <= 32512 && top > 16256, "{magnitude}: {top}");
@@ -394,13 +407,13 @@ mod tests {
             assert!(scale <= m / 16256.0);
         }
         let mut n = vec![7i32; 16];
-        assert_eq!(to_fixed(&[0.0; 16], &mut n), 0.0);
+        assert_eq!(to_fixed(&[0.0; 16], &mut n), (0.0, 0));
         assert!(n.iter().all(|&v| v == 0));
         let mut x = vec![1.0f32; 16];
         x[3] = f32::INFINITY;
-        assert!(to_fixed(&x, &mut n).is_nan());
+        assert!(to_fixed(&x, &mut n).0.is_nan());
         x[3] = f32::NAN;
-        assert!(to_fixed(&x, &mut n).is_nan());
+        assert!(to_fixed(&x, &mut n).0.is_nan());
     }
 
     /// The portable sums are the plain sums over the layout's codes, for keys (sum over
@@ -481,7 +494,7 @@ mod tests {
                         &x[s * rows..(s + 1) * rows],
                         &mut n[s * rows..(s + 1) * rows],
                     );
-                    let want = to_fixed(xs, ns);
+                    let (want, want_total) = to_fixed(xs, ns);
                     // SAFETY: AVX-512 VNNI present (checked); buffer sizes as required.
                     let got = unsafe {
                         vnni::to_fixed_bytes(
@@ -490,7 +503,7 @@ mod tests {
                             &mut lo[s * rows..(s + 1) * rows],
                         )
                     };
-                    assert_eq!(want.to_bits(), got.to_bits());
+                    assert_eq!((want.to_bits(), want_total), (got.0.to_bits(), got.1));
                 }
                 let mut want = vec![0i32; m * cols];
                 fragment_dots_portable(payload, grid, m, &n, rows, &mut want, &mut Ahead::new(&[]));
