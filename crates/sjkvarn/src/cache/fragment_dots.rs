@@ -164,6 +164,8 @@ pub(crate) struct FragmentScratch {
 /// product is `2^e sum_r n[r] (u[r][c] - 7.5) + 7.5 sum_r x[r]`, the first sum exact in
 /// integers (`(2 S - 15 N) 2^(e-1)`), the second a fixed-order float sum. Centring halves the
 /// rounding's reach (codes sit around 7.5). The same bits with or without VNNI.
+// Inlined into each SIMD level's attention loop, so its float loops get that level's vectors.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fragment_products(
     vnni: bool,

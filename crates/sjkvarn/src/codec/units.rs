@@ -35,14 +35,81 @@ fn scale_field(
     halves.convert_to_f32_slice(out);
 }
 
+/// `out[i] = fp16 at byte offset start + 2i of rec`, for `i < n`: one slice conversion
+/// straight from the record where its bytes are 2-aligned (little-endian targets), else
+/// through [`scale_field`].
+#[inline(always)]
+fn scale_run(rec: &[u8], halves: &mut Vec<f16>, out: &mut Vec<f32>, n: usize, start: usize) {
+    out.resize(n, 0.0);
+    // SAFETY: every bit pattern is a valid u16; `align_to` only yields the aligned middle.
+    let (pre, mid, _) = unsafe { rec[start..start + 2 * n].align_to::<u16>() };
+    if cfg!(target_endian = "little") && pre.is_empty() && mid.len() == n {
+        use half::slice::HalfBitsSliceExt;
+        mid.reinterpret_cast::<f16>().convert_to_f32_slice(out);
+    } else {
+        scale_field(rec, halves, out, n, |i| start + 2 * i);
+    }
+}
+
+/// `out[c] = fp16 number slots[c] of the field at byte `start` of rec` (a per-channel field
+/// stored in slot order): on AVX-512 by word permutes over the field held in registers (up to
+/// 512 entries, 32 at a time), else through [`scale_field`]. The conversion is exact either way.
+#[inline(always)]
+fn scale_slots(rec: &[u8], halves: &mut Vec<f16>, out: &mut Vec<f32>, start: usize, slots: &[u16]) {
+    let n = slots.len();
+    out.resize(n, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx512() && n.is_multiple_of(32) && n <= 512 {
+        // SAFETY: the CPU reported AVX-512 F/BW; the field's `2n` bytes are in `rec` (the
+        // slice below checks it), every slot is below `n` (a layout permutation), and `out`
+        // holds `n` values.
+        unsafe { gather_slots_avx512(&rec[start..start + 2 * n], slots, out) };
+        return;
+    }
+    scale_field(rec, halves, out, n, |c| start + 2 * slots[c] as usize);
+}
+
+/// [`scale_slots`] on AVX-512: the field's `n / 32` vectors in registers, one two-register
+/// word permute per pair of them, blended by the slot's pair.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn gather_slots_avx512(field: &[u8], slots: &[u16], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = slots.len();
+    let regs = n / 32;
+    assert!(field.len() == 2 * n && out.len() >= n && regs <= 16 && n.is_multiple_of(32));
+    let mut src = [_mm512_setzero_si512(); 16];
+    for (r, v) in src.iter_mut().enumerate().take(regs) {
+        // SAFETY: 64 bytes at `64 r` of the `2n`-byte field.
+        *v = _mm512_loadu_si512(field.as_ptr().add(64 * r) as *const __m512i);
+    }
+    for j in 0..regs {
+        // SAFETY: 32 slots at `32 j`; 32 floats stored at `32 j` of `out` (checked above).
+        let idx = _mm512_loadu_si512(slots.as_ptr().add(32 * j) as *const __m512i);
+        let pair = _mm512_srli_epi16::<6>(idx);
+        let mut acc = _mm512_permutex2var_epi16(src[0], idx, src[1]);
+        for p in 1..regs.div_ceil(2) {
+            let r = _mm512_permutex2var_epi16(src[2 * p], idx, src[2 * p + 1]);
+            let m = _mm512_cmpeq_epi16_mask(pair, _mm512_set1_epi16(p as i16));
+            acc = _mm512_mask_blend_epi16(m, acc, r);
+        }
+        let o = out.as_mut_ptr().add(32 * j);
+        _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm512_castsi512_si256(acc)));
+        _mm512_storeu_ps(
+            o.add(16),
+            _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(acc)),
+        );
+    }
+}
+
 /// Reads reference records of one layout; tables are built once.
 #[derive(Debug, Clone)]
 pub struct UnitReader {
     layout: RecordLayout,
     /// Trellis codebooks as f32 (K, V); empty for scalar bodies.
     codebooks: [Vec<f32>; 2],
-    k_slot: Vec<usize>,
-    v_slot: Vec<usize>,
+    k_slot: Vec<u16>,
+    v_slot: Vec<u16>,
     /// Token-major codes of one side before the K transpose.
     scratch: Vec<u8>,
     /// One scale field's fp16 values, gathered.
@@ -63,8 +130,8 @@ impl UnitReader {
         Self {
             layout,
             codebooks,
-            k_slot: (0..d).map(|c| layout.k_channel_slot(c)).collect(),
-            v_slot: (0..d).map(|c| layout.v_channel_slot(c)).collect(),
+            k_slot: (0..d).map(|c| layout.k_channel_slot(c) as u16).collect(),
+            v_slot: (0..d).map(|c| layout.v_channel_slot(c) as u16).collect(),
             scratch: vec![0u8; d * layout.group],
             halves: Vec::with_capacity(d.max(layout.group)),
         }
@@ -100,12 +167,12 @@ impl UnitReader {
         }
         out.v_by_channel = l.body == Body::Trellis;
         let (k_slot, v_slot, halves) = (&self.k_slot, &self.v_slot, &mut self.halves);
-        scale_field(rec, halves, &mut out.a_k, d, |c| l.k_scale + 2 * k_slot[c]);
-        scale_field(rec, halves, &mut out.z_k, d, |c| l.k_zero + 2 * k_slot[c]);
-        scale_field(rec, halves, &mut out.s_k, g, |t| l.k_tok + 2 * t);
-        scale_field(rec, halves, &mut out.a_v, g, |t| l.v_scale + 2 * t);
-        scale_field(rec, halves, &mut out.z_v, g, |t| l.v_zero + 2 * t);
-        scale_field(rec, halves, &mut out.s_v, d, |c| l.v_ch + 2 * v_slot[c]);
+        scale_slots(rec, halves, &mut out.a_k, l.k_scale, k_slot);
+        scale_slots(rec, halves, &mut out.z_k, l.k_zero, k_slot);
+        scale_run(rec, halves, &mut out.s_k, g, l.k_tok);
+        scale_run(rec, halves, &mut out.a_v, g, l.v_scale);
+        scale_run(rec, halves, &mut out.z_v, g, l.v_zero);
+        scale_slots(rec, halves, &mut out.s_v, l.v_ch, v_slot);
         Ok(())
     }
 
