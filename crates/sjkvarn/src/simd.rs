@@ -58,17 +58,33 @@ pub fn avx512() -> bool {
 #[inline(always)]
 pub fn avx512_vnni() -> bool {
     static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    avx512()
-        && *VNNI.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                std::arch::is_x86_feature_detected!("avx512vnni")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            {
-                false
-            }
-        })
+    avx512() && *VNNI.get_or_init(|| has_feature("avx512vnni"))
+}
+
+/// Whether the AVX-512 level may also use VBMI byte permutes and multishifts (`vpermb`,
+/// `vpmultishiftqb`): the `tq6_0` ring rows unpack with them. Without VBMI they take the
+/// 16-at-a-time unpack, which gives the same values.
+#[inline(always)]
+pub fn avx512_vbmi() -> bool {
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    avx512() && *VBMI.get_or_init(|| has_feature("avx512vbmi"))
+}
+
+/// Run-time detection of one of the AVX-512 extensions above.
+fn has_feature(name: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match name {
+            "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
+            "avx512vbmi" => std::arch::is_x86_feature_detected!("avx512vbmi"),
+            _ => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = name;
+        false
+    }
 }
 
 /// Asks the CPU to bring `bytes` into its L2 cache ahead of use (a hint: no effect on results,

@@ -98,6 +98,17 @@ fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
     let norm = f16_to_f32(u16::from_le_bytes([block[0], block[1]]));
     let (qs, qh) = (2, 2 + n / 2);
     #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx512_vbmi()
+        && n.is_multiple_of(64)
+        && block.len() >= qh + n / 4
+        && out.len() >= n
+    {
+        // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ and VBMI; the block holds its `qs` and
+        // `qh` fields (checked above) and `out` its `n` values.
+        unsafe { unpack_lookup_vbmi(&t.centroids, &block[qs..], &block[qh..], n, norm, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::simd::avx512() && block.len() >= qh + n / 4 && out.len() >= n {
         // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the block holds its `qs` and `qh`
         // fields (checked above) and `out` its `n` values.
@@ -195,6 +206,58 @@ unsafe fn unpack_lookup_avx512(
     }
 }
 
+/// [`unpack_lookup_avx512`] 64 codes a step with VBMI: byte permutes put each output qword's
+/// source bytes (4 `qs` bytes, 2 `qh` bytes) in that qword, and one multishift per field picks
+/// every value's nibble or bit pair, so a step costs a handful of instructions instead of
+/// four 16-value unpacks; the lookup is the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")]
+unsafe fn unpack_lookup_vbmi(
+    centroids: &[f32; 64],
+    qs: &[u8],
+    qh: &[u8],
+    n: usize,
+    norm: f32,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    assert!(n.is_multiple_of(64) && qs.len() >= n / 2 && qh.len() >= n / 4 && out.len() >= n);
+    let table = CentroidsAvx512::load(centroids, norm);
+    // Output byte i (value 8q + r of the step, q = i / 8, r = i % 8) reads `qs` byte 4q + r / 2
+    // and `qh` byte 2q + r / 4: both gathered into qword q's low bytes, then shifted out.
+    let qs_pick: [u8; 64] = std::array::from_fn(|i| (4 * (i / 8) + (i % 8) % 4) as u8);
+    let qh_pick: [u8; 64] = std::array::from_fn(|i| (2 * (i / 8) + (i % 8) % 2) as u8);
+    let qs_shift: [u8; 64] = std::array::from_fn(|i| (4 * (i % 8)) as u8);
+    let qh_shift: [u8; 64] = std::array::from_fn(|i| (2 * (i % 8)) as u8);
+    let load = |b: &[u8; 64]| _mm512_loadu_si512(b.as_ptr() as *const __m512i);
+    let (qs_pick, qh_pick) = (load(&qs_pick), load(&qh_pick));
+    let (qs_shift, qh_shift) = (load(&qs_shift), load(&qh_shift));
+    for step in 0..n / 64 {
+        // SAFETY: 32 `qs` bytes and 16 `qh` bytes of this step (asserted above).
+        let s = _mm512_castsi256_si512(_mm256_loadu_si256(
+            qs.as_ptr().add(32 * step) as *const __m256i
+        ));
+        let h =
+            _mm512_castsi128_si512(_mm_loadu_si128(qh.as_ptr().add(16 * step) as *const __m128i));
+        let s = _mm512_multishift_epi64_epi8(qs_shift, _mm512_permutexvar_epi8(qs_pick, s));
+        let h = _mm512_multishift_epi64_epi8(qh_shift, _mm512_permutexvar_epi8(qh_pick, h));
+        let codes = _mm512_or_si512(
+            _mm512_and_si512(s, _mm512_set1_epi8(15)),
+            _mm512_slli_epi16::<4>(_mm512_and_si512(h, _mm512_set1_epi8(3))),
+        );
+        for k in 0..4 {
+            let idx = _mm512_cvtepu8_epi32(match k {
+                0 => _mm512_extracti32x4_epi32::<0>(codes),
+                1 => _mm512_extracti32x4_epi32::<1>(codes),
+                2 => _mm512_extracti32x4_epi32::<2>(codes),
+                _ => _mm512_extracti32x4_epi32::<3>(codes),
+            });
+            // SAFETY: 16 values at 64 step + 16 k < n.
+            _mm512_storeu_ps(out.as_mut_ptr().add(64 * step + 16 * k), table.values(idx));
+        }
+    }
+}
+
 /// Encodes one 128-value block.
 pub fn encode_block(x: &[f32], out: &mut [u8]) {
     encode_n(x, BLOCK_VALUES, out)
@@ -289,6 +352,15 @@ mod tests {
                 let mut portable = vec![0f32; n];
                 lookup_portable(&tables(n).centroids, &codes, norm, &mut portable);
                 assert_eq!(portable, out);
+                // And the 16-at-a-time AVX-512 unpack, which VBMI CPUs skip in `decode_n`.
+                #[cfg(target_arch = "x86_64")]
+                if crate::simd::avx512() {
+                    let mut wide = vec![0f32; n];
+                    let (c, qs, qh) = (&tables(n).centroids, &block[2..], &block[2 + n / 2..]);
+                    // SAFETY: AVX-512 present (checked); the block holds both fields.
+                    unsafe { unpack_lookup_avx512(c, qs, qh, n, norm, &mut wide) };
+                    assert_eq!(wide, out);
+                }
             }
         }
     }
