@@ -209,10 +209,11 @@ impl UnitReader {
                 // codebook has `1 << (6 + bits)` entries (256 or 512), indexed by windows of
                 // `6 + bits` bits.
                 unsafe {
-                    if bits == 2 {
-                        trellis_side_avx512::<4>(rec, start, bits, g, cb16, out);
-                    } else {
-                        trellis_side_avx512::<8>(rec, start, bits, g, cb16, out);
+                    match (crate::simd::avx512_vbmi(), bits) {
+                        (true, 2) => trellis_side_vbmi::<4>(rec, start, bits, g, cb16, out),
+                        (true, _) => trellis_side_vbmi::<8>(rec, start, bits, g, cb16, out),
+                        (false, 2) => trellis_side_avx512::<4>(rec, start, bits, g, cb16, out),
+                        (false, _) => trellis_side_avx512::<8>(rec, start, bits, g, cb16, out),
                     }
                 }
                 return;
@@ -278,10 +279,6 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
     use super::trellis::HISTORY_BITS;
     use std::arch::x86_64::*;
     assert_eq!(cb16.len(), 64 * PAIRS);
-    // SAFETY (loads): the codebook has 64 * PAIRS entries, read as 2 * PAIRS vectors of 32.
-    let table = |k: usize| _mm512_loadu_si512(cb16.as_ptr().add(32 * k) as *const __m512i);
-    let even: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k));
-    let odd: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k + 1));
     let mask = _mm512_set1_epi32((1 << (HISTORY_BITS + bits)) - 1);
     let steps = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     let bits64 = _mm512_set1_epi64(bits as i64);
@@ -289,7 +286,6 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
         _mm512_mullo_epi64(steps, bits64),
         _mm512_mullo_epi64(_mm512_add_epi64(steps, _mm512_set1_epi64(8)), bits64),
     );
-    let select: [__m512i; 3] = std::array::from_fn(|l| _mm512_set1_epi16(64 << l));
     // Windows of codes t0..t0 + 16 of the run starting at stream bit `run_bit`, as 16 u32
     // lanes: the stream bits from 6 before code t0 (zeros before the run) in one u64, window
     // j starting `j * bits` bits in.
@@ -319,13 +315,87 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
         );
         _mm512_and_si512(idx, mask)
     };
+    trellis_runs::<PAIRS>(g, bits, cb16, out, |run_bit, t0| {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm512_cvtepi32_epi16(windows16(run_bit, t0))),
+            _mm512_cvtepi32_epi16(windows16(run_bit, t0 + 16)),
+        )
+    });
+}
+
+/// [`trellis_side_avx512`] with VBMI: the 32 windows of a step from one 16-byte read, one byte
+/// permute (each window's two bytes into its 16-bit lane), one variable shift and a mask.
+/// Runs start byte-aligned (`g * bits` is a multiple of 8, as are 32-code steps), so window
+/// `j` of a step starts `bits * j + 2` bits into the bytes from one before the step's first
+/// code (a zero byte before a run's first step: the run's zero history).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")]
+unsafe fn trellis_side_vbmi<const PAIRS: usize>(
+    rec: &[u8],
+    start: usize,
+    bits: u32,
+    g: usize,
+    cb16: &[u16],
+    out: &mut [f32],
+) {
+    use super::trellis::HISTORY_BITS;
+    use std::arch::x86_64::*;
+    let b = bits as usize;
+    assert!((g * b).is_multiple_of(8) && (32 * b).is_multiple_of(8) && 32 * b + 16 <= 128);
+    let pick: [u8; 64] = std::array::from_fn(|i| ((b * (i / 2) + 2) / 8 + i % 2) as u8);
+    let shift: [u16; 32] = std::array::from_fn(|j| ((b * j + 2) % 8) as u16);
+    let pick = _mm512_loadu_si512(pick.as_ptr() as *const __m512i);
+    let shift = _mm512_loadu_si512(shift.as_ptr() as *const __m512i);
+    let mask = _mm512_set1_epi16((1 << (HISTORY_BITS + bits)) - 1);
+    // 16 bytes from `at` (zeros past the record's end).
+    let bytes16 = |at: usize| -> __m128i {
+        if at + 16 <= rec.len() {
+            // SAFETY: the 16 bytes end inside `rec` (checked just above).
+            _mm_loadu_si128(rec.as_ptr().add(at) as *const __m128i)
+        } else {
+            let mut tail = [0u8; 16];
+            for (t, &x) in tail.iter_mut().zip(&rec[at..]) {
+                *t = x;
+            }
+            _mm_loadu_si128(tail.as_ptr() as *const __m128i)
+        }
+    };
+    trellis_runs::<PAIRS>(g, bits, cb16, out, |run_bit, t0| {
+        let first = start + (run_bit + t0 * b) / 8;
+        let src = if t0 == 0 {
+            _mm_bslli_si128::<1>(bytes16(first))
+        } else {
+            bytes16(first - 1)
+        };
+        let words = _mm512_permutexvar_epi8(pick, _mm512_zextsi128_si512(src));
+        _mm512_and_si512(_mm512_srlv_epi16(words, shift), mask)
+    });
+}
+
+/// The shared step of both trellis readers: for each run (`g` codes at stream bit
+/// `c * g * bits`) and each 32-code step `t0`, `windows32(run_bit, t0)` gives the 32 windows
+/// as 16-bit lanes; they are looked up in the fp16 codebook held in registers and stored as
+/// f32. Inlined into each reader, so it runs on that reader's instruction set.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn trellis_runs<const PAIRS: usize>(
+    g: usize,
+    bits: u32,
+    cb16: &[u16],
+    out: &mut [f32],
+    windows32: impl Fn(usize, usize) -> std::arch::x86_64::__m512i,
+) {
+    use std::arch::x86_64::*;
+    assert_eq!(cb16.len(), 64 * PAIRS);
+    // SAFETY (loads): the codebook has 64 * PAIRS entries, read as 2 * PAIRS vectors of 32.
+    let table = |k: usize| _mm512_loadu_si512(cb16.as_ptr().add(32 * k) as *const __m512i);
+    let even: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k));
+    let odd: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k + 1));
+    let select: [__m512i; 3] = std::array::from_fn(|l| _mm512_set1_epi16(64 << l));
     for (c, run) in out.chunks_exact_mut(g).enumerate() {
         let run_bit = c * g * bits as usize;
         for t0 in (0..g).step_by(32) {
-            let idx = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm512_cvtepi32_epi16(windows16(run_bit, t0))),
-                _mm512_cvtepi32_epi16(windows16(run_bit, t0 + 16)),
-            );
+            let idx = windows32(run_bit, t0);
             let mut level: [__m512i; PAIRS] =
                 std::array::from_fn(|k| _mm512_permutex2var_epi16(even[k], idx, odd[k]));
             let mut alive = PAIRS;
@@ -449,6 +519,48 @@ mod tests {
                     assert_eq!(bits(a), bits(b), "{d} {k}/{v} {body:?}");
                 }
                 assert!(reader.read(&rec[1..], &mut got).is_err());
+            }
+        }
+    }
+
+    /// The VBMI trellis reader and the plain AVX-512 one give the same values (the reader
+    /// above compares whichever this CPU picks against the per-code decoder).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_avx512_trellis_readers_agree() {
+        if !crate::simd::avx512_vbmi() {
+            eprintln!("no AVX-512 VBMI here: one reader only");
+            return;
+        }
+        let mut rng = SplitMix64::new(13);
+        for d in [64usize, 256] {
+            for (k, v) in [(3u32, 3u32), (3, 2), (2, 2)] {
+                let layout = RecordLayout::new(d, 128, k, v, Body::Trellis).unwrap();
+                let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
+                for (is_v, bits) in [(false, k), (true, v)] {
+                    let start = if is_v {
+                        layout.v_payload
+                    } else {
+                        layout.k_payload
+                    };
+                    let cb16 = super::super::trellis::codebook(bits, is_v);
+                    let (mut plain, mut vbmi) = (vec![0f32; d * 128], vec![0f32; d * 128]);
+                    // SAFETY: AVX-512 and VBMI present (checked); sizes as `read_side` uses.
+                    unsafe {
+                        if bits == 2 {
+                            trellis_side_avx512::<4>(&rec, start, bits, 128, cb16, &mut plain);
+                            trellis_side_vbmi::<4>(&rec, start, bits, 128, cb16, &mut vbmi);
+                        } else {
+                            trellis_side_avx512::<8>(&rec, start, bits, 128, cb16, &mut plain);
+                            trellis_side_vbmi::<8>(&rec, start, bits, 128, cb16, &mut vbmi);
+                        }
+                    }
+                    let same = plain
+                        .iter()
+                        .zip(&vbmi)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "D {d} {k}/{v} is_v {is_v}");
+                }
             }
         }
     }
