@@ -395,12 +395,13 @@ mod avx512 {
         ldo: usize,
     ) {
         let (ap, bp, op) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
-        for t in 0..cols {
+        // The lane sums of key row `t` for every query row.
+        let lanes = |t: usize| -> [__m512; M] {
             let mut acc = [_mm512_setzero_ps(); M];
             let mut c = 0;
             while c < len {
-                // SAFETY (all pointer reads and writes here): `t < cols`, `c + 16 <= len` and
-                // `s < M` keep every offset inside the lengths `dots` checked.
+                // SAFETY (all pointer reads here): `t < cols`, `c + 16 <= len` and `s < M`
+                // keep every offset inside the lengths `dots` checked.
                 let key = _mm512_loadu_ps(bp.add(t * ldb + c));
                 for s in 0..M {
                     let q = _mm512_loadu_ps(ap.add(s * lda + c));
@@ -408,10 +409,71 @@ mod avx512 {
                 }
                 c += 16;
             }
+            acc
+        };
+        // Sixteen key rows at a time: their lane sums reduced together ([`reduce16`]).
+        let mut t = 0;
+        while t + 16 <= cols {
+            let mut block = [[_mm512_setzero_ps(); 16]; M];
+            for u in 0..16 {
+                let acc = lanes(t + u);
+                for s in 0..M {
+                    block[s][u] = acc[s];
+                }
+            }
+            for (s, rows) in block.iter().enumerate() {
+                // SAFETY: 16 outputs at `s * ldo + t`, `t + 16 <= cols`.
+                _mm512_storeu_ps(op.add(s * ldo + t), reduce16(rows));
+            }
+            t += 16;
+        }
+        for t in t..cols {
+            let acc = lanes(t);
             for s in 0..M {
+                // SAFETY: as above.
                 *op.add(s * ldo + t) = reduce(acc[s]);
             }
         }
+    }
+
+    /// [`reduce`] of 16 vectors at once, lane `j` of the result from vector `j`: each
+    /// halving step adds the same lanes as `reduce` does (`l + 8`, `l + 4`, `l + 2`, `l + 1`),
+    /// two vectors' halves packed into one register, so the bits are `reduce`'s.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn reduce16(x: &[__m512; 16]) -> __m512 {
+        // Lanes l and l + 8: vectors 2i, 2i + 1 -> one register of two 8-lane halves.
+        let s1: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (x[2 * i], x[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(a, b),
+                _mm512_shuffle_f32x4::<0xEE>(a, b),
+            )
+        });
+        // Lanes l and l + 4: one 128-bit lane per vector.
+        let s2: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (s1[2 * i], s1[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(a, b),
+                _mm512_shuffle_f32x4::<0xDD>(a, b),
+            )
+        });
+        // Lanes l and l + 2, then l and l + 1, inside 128-bit lanes.
+        let s3: [__m512; 2] = std::array::from_fn(|i| {
+            let (a, b) = (s2[2 * i], s2[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(a, b),
+                _mm512_shuffle_ps::<0xEE>(a, b),
+            )
+        });
+        let (a, b) = (s3[0], s3[1]);
+        let s4 = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(a, b),
+            _mm512_shuffle_ps::<0xDD>(a, b),
+        );
+        // Lane 4k + m holds vector 4m + k; `+ 0.0` as `reduce` ends.
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_add_ps(_mm512_permutexvar_ps(order, s4), _mm512_setzero_ps())
     }
 
     /// The pairwise lane reduction of [`super::dot`] (the remainder is empty here).
