@@ -9,7 +9,7 @@ limit). Each thread count runs in its own process (`RAYON_NUM_THREADS`, `torch.s
 and `OMP_WAIT_POLICY=PASSIVE` so that idle OpenMP threads do not spin on the second core).
 Reports medians and ratios from that one alternating run.
 
-Usage: python benches/attention_cpu.py [--tokens 4096 16384 65536] [--threads 1 2]
+Usage: python benches/attention_cpu.py [--tokens 4096 16384 32768 65536] [--threads 1 2]
            [--geometry 24/4/256 9/3/64] [--bodies 4/4 3/2t] [--repeats 15]
 """
 
@@ -102,7 +102,7 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--geometry", nargs="+", default=["24/4/256", "9/3/64"])
     p.add_argument("--bodies", nargs="+", default=["4/4", "3/2t"])
