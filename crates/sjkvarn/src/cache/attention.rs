@@ -12,7 +12,7 @@
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
-use super::fragment_dots::{fragment_products, FragmentScratch, TileGrid, TILE};
+use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
@@ -209,8 +209,8 @@ struct Queries<'a> {
     kv_head: usize,
     /// The instruction set the arithmetic kernel runs on.
     level: SimdLevel,
-    /// Whether 4-bit fragment sides may use VNNI (same bits as without).
-    vnni: bool,
+    /// The integer kernel of 4-bit fragment sides (every one gives the same bits).
+    fragments: FragmentKernel,
 }
 
 impl Queries<'_> {
@@ -391,7 +391,18 @@ fn fold_record(
                 row_stride: 1,
             };
             let (payload, fs) = (&rec[range.clone()], &mut sc.fragments);
-            fragment_products(ctx.vnni, payload, grid, np, a, r, fs, out, GROUP, ahead);
+            fragment_products(
+                ctx.fragments,
+                payload,
+                grid,
+                np,
+                a,
+                r,
+                fs,
+                out,
+                GROUP,
+                ahead,
+            );
         } else {
             product(
                 ctx.level,
@@ -463,7 +474,18 @@ fn fold_record(
             };
             let (payload, fs) = (&rec[range.clone()], &mut sc.fragments);
             let (a, out) = (&sc.a_rows, &mut sc.part_v);
-            fragment_products(ctx.vnni, payload, grid, np, a, GROUP, fs, out, r, ahead);
+            fragment_products(
+                ctx.fragments,
+                payload,
+                grid,
+                np,
+                a,
+                GROUP,
+                fs,
+                out,
+                r,
+                ahead,
+            );
         } else {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             product(ctx.level, np, a, GROUP, b, r, inner, r, out, r);
@@ -566,7 +588,7 @@ fn attend_at(
         scale,
         kv_head: h,
         level,
-        vnni: level == SimdLevel::Avx512 && crate::simd::avx512_vnni(),
+        fragments: FragmentKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =

@@ -148,6 +148,28 @@ fn unpack_tile(bytes: &[u8], codes: &mut [[u8; TILE]; TILE]) {
     }
 }
 
+/// Which implementation of the integer sums runs (all give the same bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FragmentKernel {
+    Portable,
+    /// 256-bit `vpmaddubsw` + `vpmaddwd`: AVX2 CPUs, and AVX-512 ones without VNNI.
+    Avx2,
+    /// 512-bit `vpdpbusd`.
+    Vnni,
+}
+
+impl FragmentKernel {
+    /// The fastest kernel the instruction-set level allows.
+    pub(crate) fn for_level(level: crate::simd::SimdLevel) -> Self {
+        use crate::simd::SimdLevel;
+        match level {
+            SimdLevel::Avx512 if crate::simd::avx512_vnni() => Self::Vnni,
+            SimdLevel::Avx512 | SimdLevel::Avx2 if cfg!(target_arch = "x86_64") => Self::Avx2,
+            _ => Self::Portable,
+        }
+    }
+}
+
 /// Buffers of [`fragment_products`], reused record after record.
 #[derive(Default)]
 pub(crate) struct FragmentScratch {
@@ -168,7 +190,7 @@ pub(crate) struct FragmentScratch {
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fragment_products(
-    vnni: bool,
+    kernel: FragmentKernel,
     payload: &[u8],
     grid: TileGrid,
     operands: usize,
@@ -188,18 +210,27 @@ pub(crate) fn fragment_products(
     let mut totals = [0i32; crate::cache::tile_gemm::MAX_ROWS];
     sc.sums.resize(operands * cols, 0);
     #[cfg(target_arch = "x86_64")]
-    if vnni {
+    if kernel != FragmentKernel::Portable {
         sc.hi.resize(operands * len, 0);
         sc.lo.resize(operands * len, 0);
         for s in 0..operands {
             let row = &x[s * x_stride..s * x_stride + len];
             let (hi, lo) = (&mut sc.hi[s * len..][..len], &mut sc.lo[s * len..][..len]);
-            // SAFETY: `vnni` is only set where `simd::avx512_vnni` reported the features;
-            // the byte buffers hold `len` entries.
-            (scales[s], totals[s]) = unsafe { vnni::to_fixed_bytes(row, hi, lo) };
+            // SAFETY: the kernel is only chosen where `simd` reported its features (AVX-512
+            // implies AVX2); the byte buffers hold `len` entries.
+            (scales[s], totals[s]) = unsafe {
+                match kernel {
+                    FragmentKernel::Vnni => vnni::to_fixed_bytes(row, hi, lo),
+                    _ => avx2::to_fixed_bytes(row, hi, lo),
+                }
+            };
         }
-        // At most six operands per pass keep the accumulators in registers.
-        let passes = operands.div_ceil(vnni::MAX_OPERANDS);
+        // Passes of at most MAX_OPERANDS keep the accumulators in registers.
+        let most = match kernel {
+            FragmentKernel::Vnni => vnni::MAX_OPERANDS,
+            _ => avx2::MAX_OPERANDS,
+        };
+        let passes = operands.div_ceil(most);
         let per = operands.div_ceil(passes.max(1));
         let mut first = 0;
         while first < operands {
@@ -210,7 +241,11 @@ pub(crate) fn fragment_products(
                 ($m:literal) => {
                     // SAFETY: as above; the operand and sum buffers hold `m` rows.
                     unsafe {
-                        vnni::fragment_dots::<$m>(payload, grid, hi, lo, len, sums, cols, ahead)
+                        if kernel == FragmentKernel::Vnni {
+                            vnni::fragment_dots::<$m>(payload, grid, hi, lo, len, sums, cols, ahead)
+                        } else {
+                            avx2::fragment_dots::<$m>(payload, grid, hi, lo, len, sums, cols, ahead)
+                        }
                     }
                 };
             }
@@ -225,7 +260,7 @@ pub(crate) fn fragment_products(
             first += m;
         }
     }
-    if !vnni || cfg!(not(target_arch = "x86_64")) {
+    if kernel == FragmentKernel::Portable || cfg!(not(target_arch = "x86_64")) {
         sc.n.resize(operands * len, 0);
         for s in 0..operands {
             let row = &x[s * x_stride..s * x_stride + len];
@@ -260,7 +295,7 @@ pub(crate) mod vnni {
 
     /// Byte `4a + k` of a 16-row group takes row `2a + 8(k & 1) + (k >> 1)`: the rows a
     /// fragment word's byte `k` holds, so one 32-bit lane meets its four rows.
-    const ROW_ORDER: [i8; 16] = {
+    pub(super) const ROW_ORDER: [i8; 16] = {
         let mut p = [0i8; 16];
         let mut i = 0;
         while i < 16 {
@@ -375,6 +410,154 @@ pub(crate) mod vnni {
                     let o = op.add(s * out_stride + col * TILE + 4 * half);
                     _mm_storeu_si128(o as *mut __m128i, _mm512_castsi512_si128(t));
                     _mm_storeu_si128(o.add(8) as *mut __m128i, _mm512_extracti32x4_epi32::<1>(t));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    //! AVX2: the VNNI kernel's layout with 256-bit registers (two fragment words' columns per
+    //! register), each byte dot product as `vpmaddubsw` (two u8 x s8 products, at most 3840 in
+    //! magnitude: no saturation) then `vpmaddwd` by 256 (the high byte) or 1 (the low byte).
+
+    use super::{fixed_scale, vnni::ROW_ORDER, TileGrid, TILE, TILE_BYTES};
+    use crate::simd::Ahead;
+    use std::arch::x86_64::*;
+
+    /// Operands per kernel call: 2 accumulators each in 16 registers.
+    pub(crate) const MAX_OPERANDS: usize = 3;
+
+    /// 16 i32 lanes (two registers) as 16 bytes in order (values must fit a signed byte).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn bytes16(a: __m256i, b: __m256i) -> __m128i {
+        let words = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(a, b));
+        let bytes = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi16(words, words));
+        _mm256_castsi256_si128(bytes)
+    }
+
+    /// [`super::vnni::to_fixed_bytes`] with AVX2: the same `n`, `hi`, `lo` and sum.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `hi` and `lo` must hold `x.len()` bytes.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn to_fixed_bytes(x: &[f32], hi: &mut [u8], lo: &mut [u8]) -> (f32, i32) {
+        assert!(x.len().is_multiple_of(TILE) && hi.len() >= x.len() && lo.len() >= x.len());
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let (mut most, mut bad) = (_mm256_setzero_ps(), 0);
+        for chunk in x.chunks_exact(8) {
+            // SAFETY: 8 floats in `chunk`.
+            let a = _mm256_and_ps(_mm256_loadu_ps(chunk.as_ptr()), magnitude);
+            most = _mm256_max_ps(most, a);
+            // Not below infinity: infinite or NaN.
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(
+                a,
+                _mm256_set1_ps(f32::INFINITY),
+            ));
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), most);
+        let m = lanes.iter().fold(0.0f32, |m, &v| m.max(v));
+        let (scale, inv) = fixed_scale(m, bad == 0);
+        let order = _mm_loadu_si128(ROW_ORDER.as_ptr() as *const __m128i);
+        let inv = _mm256_set1_ps(if scale > 0.0 { inv } else { 0.0 });
+        let (round, total) = (_mm256_set1_epi32(128), &mut _mm256_setzero_si256());
+        let split = |n: __m256i| {
+            let h = _mm256_srai_epi32::<8>(_mm256_add_epi32(n, round));
+            (h, _mm256_sub_epi32(n, _mm256_slli_epi32::<8>(h)))
+        };
+        for (g, chunk) in x.chunks_exact(TILE).enumerate() {
+            // SAFETY: 16 floats in `chunk`; 16 bytes at `16 g` of `hi` and `lo` (checked).
+            let n0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(chunk.as_ptr()), inv));
+            let n1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(chunk.as_ptr().add(8)), inv));
+            *total = _mm256_add_epi32(*total, _mm256_add_epi32(n0, n1));
+            let ((h0, l0), (h1, l1)) = (split(n0), split(n1));
+            let (h, l) = (bytes16(h0, h1), bytes16(l0, l1));
+            _mm_storeu_si128(
+                hi.as_mut_ptr().add(g * TILE) as *mut __m128i,
+                _mm_shuffle_epi8(h, order),
+            );
+            _mm_storeu_si128(
+                lo.as_mut_ptr().add(g * TILE) as *mut __m128i,
+                _mm_shuffle_epi8(l, order),
+            );
+        }
+        let mut sums = [0i32; 8];
+        _mm256_storeu_si256(sums.as_mut_ptr() as *mut __m256i, *total);
+        (scale, sums.iter().sum())
+    }
+
+    /// [`super::vnni::fragment_dots`] with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; the buffers as [`super::vnni::fragment_dots`] requires.
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn fragment_dots<const M: usize>(
+        payload: &[u8],
+        grid: TileGrid,
+        hi: &[u8],
+        lo: &[u8],
+        stride: usize,
+        out: &mut [i32],
+        out_stride: usize,
+        ahead: &mut Ahead,
+    ) {
+        grid.check(payload);
+        assert!(
+            M > 0
+                && hi.len() >= (M - 1) * stride + grid.rows * TILE
+                && lo.len() >= (M - 1) * stride + grid.rows * TILE
+                && out.len() >= (M - 1) * out_stride + grid.cols * TILE,
+            "fragment operands"
+        );
+        let nibble = _mm256_set1_epi8(15);
+        let (ones, high_byte) = (_mm256_set1_epi16(1), _mm256_set1_epi16(256));
+        let (hp, lp, op) = (hi.as_ptr(), lo.as_ptr(), out.as_mut_ptr());
+        for col in 0..grid.cols {
+            // Words 8q.. of each tile: columns b = 2q (low 128 bits) and 2q + 1.
+            for q in 0..4 {
+                let zero = _mm256_setzero_si256();
+                let (mut lows, mut highs) = ([zero; M], [zero; M]);
+                for row in 0..grid.rows {
+                    ahead.step();
+                    let at = (col * grid.col_stride + row * grid.row_stride) * TILE_BYTES;
+                    // SAFETY (all reads here): `grid.check` and the asserts above bound every
+                    // tile, operand and sum offset.
+                    let w = _mm256_loadu_si256(payload.as_ptr().add(at + 32 * q) as *const _);
+                    let low = _mm256_and_si256(w, nibble);
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(w), nibble);
+                    for s in 0..M {
+                        let h = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                            hp.add(s * stride + row * TILE) as *const __m128i,
+                        ));
+                        let l = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                            lp.add(s * stride + row * TILE) as *const __m128i,
+                        ));
+                        let dot = |u: __m256i| {
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(u, h), high_byte),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(u, l), ones),
+                            )
+                        };
+                        lows[s] = _mm256_add_epi32(lows[s], dot(low));
+                        highs[s] = _mm256_add_epi32(highs[s], dot(high));
+                    }
+                }
+                for s in 0..M {
+                    // The four row lanes (a) of each column summed: lane k of `t` holds
+                    // column 2q + k (dword 0) and column 8 + 2q + k (dword 1).
+                    let (x, y) = (lows[s], highs[s]);
+                    let t =
+                        _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+                    let t = _mm256_add_epi32(t, _mm256_shuffle_epi32::<0b01_00_11_10>(t));
+                    let o = op.add(s * out_stride + col * TILE + 2 * q);
+                    *o = _mm256_extract_epi32::<0>(t);
+                    *o.add(1) = _mm256_extract_epi32::<4>(t);
+                    *o.add(8) = _mm256_extract_epi32::<1>(t);
+                    *o.add(9) = _mm256_extract_epi32::<5>(t);
                 }
             }
         }
@@ -531,6 +714,58 @@ mod tests {
                     vnni::fragment_dots::<1>(payload, grid, &hi, &lo, rows, &mut one, cols, ahead)
                 };
                 assert_eq!(&want[..cols], &one[..], "one operand");
+            }
+        }
+    }
+
+    /// Every kernel this CPU has gives the portable products bit for bit, for 1 to 8
+    /// operands (several passes), both sides, partial value rows and a one-entry operand.
+    #[test]
+    fn every_kernel_gives_the_portable_bits() {
+        let mut kernels = vec![FragmentKernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                kernels.push(FragmentKernel::Avx2);
+            }
+            if crate::simd::avx512_vnni() {
+                kernels.push(FragmentKernel::Vnni);
+            }
+        }
+        eprintln!("kernels compared: {kernels:?}");
+        let mut rng = SplitMix64::new(31);
+        for d in [64usize, 256] {
+            let layout = RecordLayout::new(d, 128, 4, 4, Body::Scalar).unwrap();
+            let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
+            for is_v in [false, true] {
+                let payload = layout.payload(&rec, is_v);
+                let (mut grid, rows, cols) = grid_of(d, 128, is_v);
+                if is_v {
+                    grid.rows = 5; // the first 80 tokens visible
+                }
+                for operands in 1..=8 {
+                    let mut x = rng.gaussians(operands * rows);
+                    x[rows / 2] = -3e4; // one operand dominated by a single entry
+                    let mut want = vec![f32::NAN; operands * cols];
+                    let mut sc = FragmentScratch::default();
+                    for &kernel in &kernels {
+                        let mut got = vec![f32::NAN; operands * cols];
+                        let ahead = &mut Ahead::new(&[]);
+                        fragment_products(
+                            kernel, payload, grid, operands, &x, rows, &mut sc, &mut got, cols,
+                            ahead,
+                        );
+                        if kernel == FragmentKernel::Portable {
+                            want = got;
+                            continue;
+                        }
+                        let same = want
+                            .iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{kernel:?} D {d} is_v {is_v} {operands} operands");
+                    }
+                }
             }
         }
     }
