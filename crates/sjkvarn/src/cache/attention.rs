@@ -159,11 +159,12 @@ fn fold_chunk_body(
     // Ring, in blocks aligned to 128 positions. With one pair block (decoding) rows are
     // decoded piece by piece as they are scored, so they stay in L1; with several (prefill)
     // the block is decoded once and shared by all of them. Both give the same bits.
+    let ring = job.seq.ring_cursor(lj, lj.ring_start(job.sink), h);
     let ring_row = |pos: usize, value: bool, out: &mut [f32]| {
         if pos + RING_AHEAD < lj.len && !value {
-            job.seq.prefetch_ring(lj, pos + RING_AHEAD, h);
+            ring.prefetch(pos + RING_AHEAD);
         }
-        job.seq.ring_row(lj, pos, h, value, out);
+        ring.row(pos, value, out);
     };
     let mut first = lj.ring_start(job.sink);
     while first < lj.len {

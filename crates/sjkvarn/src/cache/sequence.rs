@@ -151,6 +151,47 @@ pub struct LayerImage {
     pub records: Vec<u8>,
 }
 
+/// Ring rows of one layer and KV head from a first position on ([`Sequence::ring_cursor`]):
+/// the same rows [`Sequence::ring_row`] and [`Sequence::prefetch_ring`] give.
+pub(crate) struct RingCursor<'a> {
+    layer: &'a LayerJournal,
+    first: usize,
+    first_row: usize,
+    rows: usize,
+    kv_heads: usize,
+    head: usize,
+}
+
+impl RingCursor<'_> {
+    /// The ring entry of position `pos >= first`.
+    #[inline(always)]
+    fn entry(&self, pos: usize) -> usize {
+        let mut row = self.first_row + (pos - self.first);
+        while row >= self.rows {
+            row -= self.rows;
+        }
+        row * self.kv_heads + self.head
+    }
+
+    /// Decodes ring row `pos` (K or V) into `out`, in the staging frame.
+    #[inline(always)]
+    pub(crate) fn row(&self, pos: usize, value: bool, out: &mut [f32]) {
+        let rows = &self.layer.rows;
+        let range = rows.range(self.entry(pos), value);
+        rows.side(value).decode(&self.layer.ring[range], out);
+    }
+
+    /// Hints the cache to fetch position `pos` (its K and V rows are adjacent): ring rows of
+    /// one head are a whole token apart, too far apart for the hardware's own stride prefetch
+    /// to keep up, so the attention loop asks a few positions ahead.
+    #[inline(always)]
+    pub(crate) fn prefetch(&self, pos: usize) {
+        let (rows, entry) = (&self.layer.rows, self.entry(pos));
+        let (k, v) = (rows.range(entry, false), rows.range(entry, true));
+        prefetch_l2(&self.layer.ring[k.start..v.end]);
+    }
+}
+
 /// A sequence: one journal per layer, sealed records in a shared pool.
 #[derive(Debug)]
 pub struct Sequence {
@@ -291,16 +332,22 @@ impl Sequence {
         Ok(self.layer(layer)?.pick.as_ref())
     }
 
-    /// Hints the cache to fetch ring position `pos` of `head` (its K and V rows are adjacent):
-    /// ring rows of one head are a whole token apart, too far apart for the hardware's own
-    /// stride prefetch to keep up, so the attention loop asks a few positions ahead.
-    #[inline(always)]
-    pub(crate) fn prefetch_ring(&self, layer: &LayerJournal, pos: usize, head: usize) {
-        let (k, v) = (
-            self.ring_row_range(layer, pos, head, false),
-            self.ring_row_range(layer, pos, head, true),
-        );
-        prefetch_l2(&layer.ring[k.start..v.end]);
+    /// The ring rows of `head` from position `first` on, addressed by counting from `first`'s
+    /// row instead of a division per row (attention reads thousands of rows per call).
+    pub(crate) fn ring_cursor<'a>(
+        &self,
+        layer: &'a LayerJournal,
+        first: usize,
+        head: usize,
+    ) -> RingCursor<'a> {
+        RingCursor {
+            layer,
+            first,
+            first_row: self.ring_index(first),
+            rows: self.config.ring_rows(),
+            kv_heads: self.config.kv_heads,
+            head,
+        }
     }
 
     /// Decodes ring row `pos` of `head` (K or V) into `out`, in the staging frame.
