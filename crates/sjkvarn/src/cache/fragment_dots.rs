@@ -93,6 +93,31 @@ impl TileGrid {
         &payload[at..at + TILE_BYTES]
     }
 
+    /// What the SIMD kernels read and write is inside their buffers: every tile of the grid,
+    /// `m` byte operands (`hi` and `lo`, lengths `operand_lens`) of `rows * 16` bytes `stride`
+    /// apart, and `m` rows of `cols * 16` sums `out_stride` apart.
+    #[cfg(target_arch = "x86_64")]
+    fn check_operands(
+        &self,
+        payload: &[u8],
+        m: usize,
+        operand_lens: [usize; 2],
+        stride: usize,
+        out_len: usize,
+        out_stride: usize,
+    ) {
+        self.check(payload);
+        let need = |stride: usize, len: usize| (m.max(1) - 1) * stride + len;
+        assert!(
+            m > 0
+                && operand_lens
+                    .iter()
+                    .all(|&l| l >= need(stride, self.rows * TILE))
+                && out_len >= need(out_stride, self.cols * TILE),
+            "fragment operands"
+        );
+    }
+
     /// The payload must hold every tile of the grid.
     fn check(&self, payload: &[u8]) {
         if self.cols > 0 && self.rows > 0 {
@@ -361,13 +386,13 @@ pub(crate) mod vnni {
         out_stride: usize,
         ahead: &mut Ahead,
     ) {
-        grid.check(payload);
-        assert!(
-            M > 0
-                && hi.len() >= (M - 1) * stride + grid.rows * TILE
-                && lo.len() >= (M - 1) * stride + grid.rows * TILE
-                && out.len() >= (M - 1) * out_stride + grid.cols * TILE,
-            "fragment operands"
+        grid.check_operands(
+            payload,
+            M,
+            [hi.len(), lo.len()],
+            stride,
+            out.len(),
+            out_stride,
         );
         let nibble = _mm512_set1_epi8(15);
         // Lanes (b, a) -> [column b of each 128-bit lane, then column 8 + b]: lane 4b' of the
@@ -505,13 +530,13 @@ pub(crate) mod avx2 {
         out_stride: usize,
         ahead: &mut Ahead,
     ) {
-        grid.check(payload);
-        assert!(
-            M > 0
-                && hi.len() >= (M - 1) * stride + grid.rows * TILE
-                && lo.len() >= (M - 1) * stride + grid.rows * TILE
-                && out.len() >= (M - 1) * out_stride + grid.cols * TILE,
-            "fragment operands"
+        grid.check_operands(
+            payload,
+            M,
+            [hi.len(), lo.len()],
+            stride,
+            out.len(),
+            out_stride,
         );
         let nibble = _mm256_set1_epi8(15);
         let (ones, high_byte) = (_mm256_set1_epi16(1), _mm256_set1_epi16(256));
