@@ -24,32 +24,6 @@ pub(crate) const MAX_ROWS: usize = 8;
 /// Output columns held in registers at once: two 16-lane vectors per row under AVX-512.
 const TILE: usize = 32;
 
-/// An element of a product's right operand (f32 units; the trait keeps the kernels open to
-/// narrower element types).
-pub(crate) trait Unit: Copy {
-    fn value(self) -> f32;
-
-    /// 16 consecutive elements as f32 lanes.
-    ///
-    /// # Safety
-    /// AVX-512F must be present and `p` must point at 16 readable elements.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
-}
-
-impl Unit for f32 {
-    #[inline(always)]
-    fn value(self) -> f32 {
-        self
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        std::arch::x86_64::_mm512_loadu_ps(p)
-    }
-}
-
 /// Elements an operand of `lines` lines of `len` values, `stride` apart, must hold.
 #[inline(always)]
 fn span(lines: usize, stride: usize, len: usize) -> usize {
@@ -86,7 +60,7 @@ pub(crate) fn product(
     rows: usize,
     a: &[f32],
     lda: usize,
-    b: &[impl Unit],
+    b: &[f32],
     ldb: usize,
     inner: usize,
     cols: usize,
@@ -106,7 +80,7 @@ pub(crate) fn product_from(
     rows: usize,
     a: &[f32],
     lda: usize,
-    b: &[impl Unit],
+    b: &[f32],
     ldb: usize,
     inner: usize,
     cols: usize,
@@ -163,7 +137,7 @@ pub(crate) fn product_from(
 fn product_rows<const M: usize>(
     a: &[f32],
     lda: usize,
-    b: &[impl Unit],
+    b: &[f32],
     ldb: usize,
     inner: usize,
     cols: usize,
@@ -181,9 +155,7 @@ fn product_rows<const M: usize>(
         }
         for i in 0..inner {
             let mut row = [0.0f32; TILE];
-            for (r, u) in row.iter_mut().zip(&b[i * ldb + j0..i * ldb + j0 + TILE]) {
-                *r = u.value();
-            }
+            row.copy_from_slice(&b[i * ldb + j0..i * ldb + j0 + TILE]);
             for s in 0..M {
                 let x = a[s * lda + i];
                 for l in 0..TILE {
@@ -205,7 +177,7 @@ fn product_rows<const M: usize>(
 fn product_tail<const M: usize>(
     a: &[f32],
     lda: usize,
-    b: &[impl Unit],
+    b: &[f32],
     ldb: usize,
     inner: usize,
     j0: usize,
@@ -222,7 +194,7 @@ fn product_tail<const M: usize>(
             }
         }
         for i in 0..inner {
-            let y = b[i * ldb + j].value();
+            let y = b[i * ldb + j];
             for s in 0..M {
                 acc[s] = a[s * lda + i].mul_add(y, acc[s]);
             }
@@ -297,14 +269,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::Unit;
     use std::arch::x86_64::*;
-
-    /// [`Unit::load16`] by pointer type.
-    #[inline(always)]
-    unsafe fn load16<U: Unit>(p: *const U) -> __m512 {
-        U::load16(p)
-    }
 
     /// [`super::product_rows`] with the tile's accumulators in registers: `2 * M` vectors of 16
     /// columns, one fused multiply-add per product, in the same order per element.
@@ -317,7 +282,7 @@ mod avx512 {
     pub(super) unsafe fn product_rows<const M: usize>(
         a: &[f32],
         lda: usize,
-        b: &[impl Unit],
+        b: &[f32],
         ldb: usize,
         inner: usize,
         cols: usize,
@@ -341,7 +306,7 @@ mod avx512 {
                 // SAFETY (all pointer reads and writes here): `i < inner`, `j0 + 32 <= cols`
                 // and `s < M` keep every offset inside the lengths `product` checked.
                 let row = bp.add(i * ldb + j0);
-                let (b0, b1) = (load16(row), load16(row.add(16)));
+                let (b0, b1) = (_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_fmadd_ps(x, b0, lo[s]);
@@ -363,7 +328,7 @@ mod avx512 {
                 }
             }
             for i in 0..inner {
-                let b0 = load16(bp.add(i * ldb + j0));
+                let b0 = _mm512_loadu_ps(bp.add(i * ldb + j0));
                 for s in 0..M {
                     let x = _mm512_set1_ps(*ap.add(s * lda + i));
                     lo[s] = _mm512_fmadd_ps(x, b0, lo[s]);
