@@ -678,73 +678,9 @@ mod tests {
         }
     }
 
-    /// The VNNI kernel and its byte operands give the portable sums exactly, for every
-    /// operand count, both sides and operands at the fixed-point limit.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vnni_sums_equal_the_portable_sums() {
-        if !crate::simd::avx512_vnni() {
-            eprintln!("no AVX-512 VNNI here: nothing to compare");
-            return;
-        }
-        let mut rng = SplitMix64::new(12);
-        for (d, g) in [(64usize, 128usize), (256, 128)] {
-            let layout = RecordLayout::new(d, g, 4, 4, Body::Scalar).unwrap();
-            let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
-            for is_v in [false, true] {
-                let payload = layout.payload(&rec, is_v);
-                let (grid, rows, cols) = grid_of(d, g, is_v);
-                let m = vnni::MAX_OPERANDS;
-                let mut x: Vec<f32> = rng.gaussians(m * rows);
-                x[0] = 1e6; // one operand dominated by a single entry: n at the limit
-                let mut n = vec![0i32; m * rows];
-                let (mut hi, mut lo) = (vec![0u8; m * rows], vec![0u8; m * rows]);
-                for s in 0..m {
-                    let (xs, ns) = (
-                        &x[s * rows..(s + 1) * rows],
-                        &mut n[s * rows..(s + 1) * rows],
-                    );
-                    let (want, want_total) = to_fixed(xs, ns);
-                    // SAFETY: AVX-512 VNNI present (checked); buffer sizes as required.
-                    let got = unsafe {
-                        vnni::to_fixed_bytes(
-                            xs,
-                            &mut hi[s * rows..(s + 1) * rows],
-                            &mut lo[s * rows..(s + 1) * rows],
-                        )
-                    };
-                    assert_eq!((want.to_bits(), want_total), (got.0.to_bits(), got.1));
-                }
-                let mut want = vec![0i32; m * cols];
-                fragment_dots_portable(payload, grid, m, &n, rows, &mut want, &mut Ahead::new(&[]));
-                let mut got = vec![0i32; m * cols];
-                // SAFETY: as above.
-                unsafe {
-                    vnni::fragment_dots::<{ vnni::MAX_OPERANDS }>(
-                        payload,
-                        grid,
-                        &hi,
-                        &lo,
-                        rows,
-                        &mut got,
-                        cols,
-                        &mut Ahead::new(&[]),
-                    )
-                };
-                assert_eq!(want, got, "D {d}, is_v {is_v}");
-                let mut one = vec![0i32; cols];
-                // SAFETY: as above.
-                unsafe {
-                    let ahead = &mut Ahead::new(&rec);
-                    vnni::fragment_dots::<1>(payload, grid, &hi, &lo, rows, &mut one, cols, ahead)
-                };
-                assert_eq!(&want[..cols], &one[..], "one operand");
-            }
-        }
-    }
-
-    /// Every kernel this CPU has gives the portable products bit for bit, for 1 to 8
-    /// operands (several passes), both sides, partial value rows and a one-entry operand.
+    /// Every kernel this CPU has gives the portable products bit for bit (so also the same
+    /// fixed-point scales and sums), for 1 to 8 operands (several passes), both sides, partial
+    /// value rows and an operand dominated by one entry (n at the fixed-point limit).
     #[test]
     fn every_kernel_gives_the_portable_bits() {
         let mut kernels = vec![FragmentKernel::Portable];

@@ -523,13 +523,14 @@ mod tests {
         }
     }
 
-    /// The VBMI trellis reader and the plain AVX-512 one give the same values (the reader
-    /// above compares whichever this CPU picks against the per-code decoder).
+    /// Each AVX-512 trellis reader this CPU has (plain, and VBMI where present) gives the
+    /// portable per-run values bit for bit; the reader test above only sees the one `read`
+    /// picks.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn both_avx512_trellis_readers_agree() {
-        if !crate::simd::avx512_vbmi() {
-            eprintln!("no AVX-512 VBMI here: one reader only");
+    fn avx512_trellis_readers_equal_the_portable_runs() {
+        if !crate::simd::avx512() {
+            eprintln!("no AVX-512 here: the portable runs are checked by the reader test");
             return;
         }
         let mut rng = SplitMix64::new(13);
@@ -543,23 +544,43 @@ mod tests {
                     } else {
                         layout.k_payload
                     };
-                    let cb16 = super::super::trellis::codebook(bits, is_v);
-                    let (mut plain, mut vbmi) = (vec![0f32; d * 128], vec![0f32; d * 128]);
-                    // SAFETY: AVX-512 and VBMI present (checked); sizes as `read_side` uses.
-                    unsafe {
-                        if bits == 2 {
-                            trellis_side_avx512::<4>(&rec, start, bits, 128, cb16, &mut plain);
-                            trellis_side_vbmi::<4>(&rec, start, bits, 128, cb16, &mut vbmi);
-                        } else {
-                            trellis_side_avx512::<8>(&rec, start, bits, 128, cb16, &mut plain);
-                            trellis_side_vbmi::<8>(&rec, start, bits, 128, cb16, &mut vbmi);
-                        }
+                    let len = layout.payload(&rec, is_v).len();
+                    let cb = codebook_f32(bits, is_v);
+                    let mut want = vec![0f32; d * 128];
+                    for (c, run) in want.chunks_exact_mut(128).enumerate() {
+                        trellis_run(&rec, start, len, bits, c, &cb, run);
                     }
-                    let same = plain
-                        .iter()
-                        .zip(&vbmi)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "D {d} {k}/{v} is_v {is_v}");
+                    let cb16 = super::super::trellis::codebook(bits, is_v);
+                    let mut readers = vec!["avx512"];
+                    if crate::simd::avx512_vbmi() {
+                        readers.push("vbmi");
+                    }
+                    for reader in readers {
+                        let mut got = vec![0f32; d * 128];
+                        // SAFETY: AVX-512 (and VBMI for that reader) present, checked above;
+                        // sizes as `read_side` uses.
+                        unsafe {
+                            match (reader, bits) {
+                                ("vbmi", 2) => {
+                                    trellis_side_vbmi::<4>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                ("vbmi", _) => {
+                                    trellis_side_vbmi::<8>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                (_, 2) => {
+                                    trellis_side_avx512::<4>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                _ => {
+                                    trellis_side_avx512::<8>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                            }
+                        }
+                        let same = want
+                            .iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{reader}: D {d} {k}/{v} is_v {is_v}");
+                    }
                 }
             }
         }
