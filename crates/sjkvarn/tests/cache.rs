@@ -552,6 +552,16 @@ fn the_sink_length_is_configurable_as_the_reference_allows() {
     }
 }
 
+/// What the exact regions hold of `x`: the rotated rows rounded to fp16, back in the model
+/// frame.
+fn stored_rows(x: &[f32]) -> Vec<f32> {
+    let mut r = x.to_vec();
+    rotate_heads(&mut r, D).unwrap();
+    let mut r: Vec<f32> = r.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+    rotate_heads(&mut r, D).unwrap();
+    r
+}
+
 /// Attention over sealed records equals attention over the rows those records decode to (f64
 /// reference), for scalar and trellis bodies: reading the records in place costs at most 3e-4
 /// of the output's size (4-bit sides, whose operands are rounded to 16-bit fixed point for
@@ -576,15 +586,7 @@ fn sealed_records_attend_as_their_decoded_rows() {
         }
         let image = seq.layer_image(0).unwrap();
         assert!(image.sealed >= 4, "{} groups sealed", image.sealed);
-        // Exact regions: the rotated rows rounded to fp16, back in the model frame.
-        let stored = |x: &[f32]| {
-            let mut r = x.to_vec();
-            rotate_heads(&mut r, D).unwrap();
-            let mut r: Vec<f32> = r.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
-            rotate_heads(&mut r, D).unwrap();
-            r
-        };
-        let (mut kd, mut vd) = (stored(&k), stored(&v));
+        let (mut kd, mut vd) = (stored_rows(&k), stored_rows(&v));
         let slot = image.records.len() / image.sealed;
         for g in 0..image.sealed {
             for h in 0..kvh {
@@ -618,5 +620,56 @@ fn sealed_records_attend_as_their_decoded_rows() {
             );
             assert!(err <= 3e-4 * norm, "{coding:?}: {err} vs norm {norm}");
         }
+    }
+}
+
+/// Attention over a `tq6_0` ring equals attention over the rows the ring decodes to (f64
+/// reference): keys are scored from their 6-bit codes in fixed point, which costs at most 3e-4
+/// of the output's size (about 1e-5 here); values are decoded as the format defines.
+#[test]
+fn tq6_ring_rows_attend_as_their_decoded_rows() {
+    let mut cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    cfg.max_tail = 4096; // never seals: sink + ring only
+    let (kvh, qh, n) = (2, 4, 700);
+    let mut seq = new_seq(cfg);
+    let mut rng = SplitMix64::new(22);
+    let (k, v) = (kv(&mut rng, n, kvh), kv(&mut rng, n, kvh));
+    for (a, b) in [(0, 250), (250, n)] {
+        let (ks, vs) = (&k[a * kvh * D..b * kvh * D], &v[a * kvh * D..b * kvh * D]);
+        seq.append(0, ks, vs).unwrap();
+    }
+    let image = seq.layer_image(0).unwrap();
+    assert_eq!(image.sealed, 0);
+    let row_bytes = sjkvarn::codec::tq6::row_bytes(D);
+    let (mut kd, mut vd) = (stored_rows(&k), stored_rows(&v));
+    for pos in SINK..n {
+        for h in 0..kvh {
+            let entry = ((pos - SINK) * kvh + h) * 2 * row_bytes;
+            let at = (pos * kvh + h) * D;
+            for (side, out) in [(0, &mut kd), (1, &mut vd)] {
+                let bytes = &image.ring[entry + side * row_bytes..][..row_bytes];
+                let row = &mut out[at..at + D];
+                sjkvarn::codec::tq6::decode_row(bytes, row);
+                rotate_heads(row, D).unwrap();
+            }
+        }
+    }
+    for rows in [1usize, 7] {
+        let q: Vec<f32> = rng
+            .gaussians(rows * qh * D)
+            .iter()
+            .map(|x| 3.0 * x)
+            .collect();
+        let got = attend(&seq, 0, &q, None).unwrap();
+        let want = reference(&kd, &vd, &q, n, qh, kvh);
+        let norm = want.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            .sqrt();
+        eprintln!("{rows} rows: error {:.2e} of the norm", err / norm);
+        assert!(err <= 3e-4 * norm, "{err} vs norm {norm}");
     }
 }

@@ -14,8 +14,10 @@
 
 use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
+use super::ring_scores::{key_scores, FixedQueries, RingKernel};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
+use super::Staging;
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
@@ -124,7 +126,17 @@ fn fold_chunk_body(
                 vr.convert_to_f32_slice(&mut sc.vblk[t * d..(t + 1) * d]);
             }
             for pairs in blocks.clone() {
-                fold_dense(ctx, states, pairs, first, rows, sc, GROUP, |_, _, _| {});
+                fold_dense(
+                    ctx,
+                    states,
+                    pairs,
+                    first,
+                    rows,
+                    sc,
+                    GROUP,
+                    None,
+                    |_, _, _| {},
+                );
             }
         }
         first += rows;
@@ -158,32 +170,74 @@ fn fold_chunk_body(
 
     // Ring, in blocks aligned to 128 positions. With one pair block (decoding) rows are
     // decoded piece by piece as they are scored, so they stay in L1; with several (prefill)
-    // the block is decoded once and shared by all of them. Both give the same bits.
+    // the block is decoded once and shared by all of them. Both give the same bits. `tq6_0`
+    // keys are scored from their codes ([`key_scores`]), never decoded.
     let ring = job.seq.ring_cursor(lj, lj.ring_start(job.sink), h);
+    let coded_keys = lj.rows.k.staging == Staging::Tq6;
+    if coded_keys && lj.ring_start(job.sink).max(span.start) < lj.len.min(span.end) {
+        // Every query pair in fixed point, once per chunk.
+        sc.ring_queries.prepare(ctx.rotated, d, job.pairs, d);
+    }
     let ring_row = |pos: usize, value: bool, out: &mut [f32]| {
         if pos + RING_AHEAD < lj.len && !value {
             ring.prefetch(pos + RING_AHEAD);
         }
         ring.row(pos, value, out);
     };
+    let mut entries: [&[u8]; GROUP + RING_AHEAD] = [&[]; GROUP + RING_AHEAD];
     let mut first = lj.ring_start(job.sink);
     while first < lj.len {
         let rows = (lj.len - first).min(GROUP);
-        if span.contains(&first) && job.pairs <= PAIRS {
+        if !span.contains(&first) {
+            first += rows;
+            continue;
+        }
+        let keys = if coded_keys {
+            let ahead = (lj.len - first).min(GROUP + RING_AHEAD);
+            for (t, e) in entries[..ahead].iter_mut().enumerate() {
+                *e = ring.entry_bytes(first + t);
+            }
+            Some(&entries[..ahead])
+        } else {
+            None
+        };
+        if job.pairs <= PAIRS {
             let piece = (4096 / d).clamp(16, GROUP);
             let fill = |t0: usize, value: bool, out: &mut [f32]| {
                 for (t, row) in out.chunks_exact_mut(d).enumerate() {
                     ring_row(first + t0 + t, value, row);
                 }
             };
-            fold_dense(ctx, states, 0..job.pairs, first, rows, sc, piece, fill);
-        } else if span.contains(&first) {
+            fold_dense(
+                ctx,
+                states,
+                0..job.pairs,
+                first,
+                rows,
+                sc,
+                piece,
+                keys,
+                fill,
+            );
+        } else {
             for t in 0..rows {
-                ring_row(first + t, false, &mut sc.kblk[t * d..(t + 1) * d]);
+                if keys.is_none() {
+                    ring_row(first + t, false, &mut sc.kblk[t * d..(t + 1) * d]);
+                }
                 ring_row(first + t, true, &mut sc.vblk[t * d..(t + 1) * d]);
             }
             for pairs in blocks.clone() {
-                fold_dense(ctx, states, pairs, first, rows, sc, GROUP, |_, _, _| {});
+                fold_dense(
+                    ctx,
+                    states,
+                    pairs,
+                    first,
+                    rows,
+                    sc,
+                    GROUP,
+                    keys,
+                    |_, _, _| {},
+                );
             }
         }
         first += rows;
@@ -212,6 +266,8 @@ struct Queries<'a> {
     level: SimdLevel,
     /// The integer kernel of 4-bit fragment sides (every one gives the same bits).
     fragments: FragmentKernel,
+    /// The integer kernel of `tq6_0` ring keys (every one gives the same bits).
+    ring: RingKernel,
 }
 
 impl Queries<'_> {
@@ -263,6 +319,7 @@ struct Scratch {
     vblk: Vec<f32>,
     halves: Vec<DecodedHalf>,
     fragments: FragmentScratch,
+    ring_queries: FixedQueries,
 }
 
 impl Scratch {
@@ -277,6 +334,7 @@ impl Scratch {
             vblk: vec![0.0; GROUP * d],
             halves: Vec::new(),
             fragments: FragmentScratch::default(),
+            ring_queries: FixedQueries::default(),
         }
     }
 }
@@ -285,6 +343,8 @@ impl Scratch {
 /// `fill(t0, value, out)` writes the block's K (or V) rows `t0..` into `out` (`[n][d]`, the
 /// start of `sc.kblk` or `sc.vblk`); a block decoded beforehand passes `piece = GROUP` and a
 /// `fill` that does nothing. Every sum keeps its order, so `piece` does not change the bits.
+/// `coded_keys`: the ring entries of a `tq6_0`-keyed block (more may follow, only fetched
+/// ahead), whose keys are scored from their codes instead of `fill`ed.
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
 fn fold_dense(
@@ -295,6 +355,7 @@ fn fold_dense(
     rows: usize,
     sc: &mut Scratch,
     piece: usize,
+    coded_keys: Option<&[&[u8]]>,
     mut fill: impl FnMut(usize, bool, &mut [f32]),
 ) {
     let d = ctx.d;
@@ -304,21 +365,26 @@ fn fold_dense(
         return;
     }
     let queries = ctx.rows_from(pairs.start);
-    for t0 in (0..most).step_by(piece) {
-        let n = piece.min(most - t0);
-        fill(t0, false, &mut sc.kblk[..n * d]);
-        dots(
-            ctx.level,
-            np,
-            queries,
-            d,
-            &sc.kblk,
-            d,
-            d,
-            n,
-            &mut sc.logits[t0..],
-            GROUP,
-        );
+    if let Some(entries) = coded_keys {
+        let (fq, out) = (&sc.ring_queries, &mut sc.logits);
+        key_scores(ctx.ring, fq, pairs.start, np, entries, most, out, GROUP);
+    } else {
+        for t0 in (0..most).step_by(piece) {
+            let n = piece.min(most - t0);
+            fill(t0, false, &mut sc.kblk[..n * d]);
+            dots(
+                ctx.level,
+                np,
+                queries,
+                d,
+                &sc.kblk,
+                d,
+                d,
+                n,
+                &mut sc.logits[t0..],
+                GROUP,
+            );
+        }
     }
     let mut live = [false; PAIRS];
     for (slot, p) in pairs.clone().enumerate() {
@@ -590,6 +656,7 @@ fn attend_at(
         kv_head: h,
         level,
         fragments: FragmentKernel::for_level(level),
+        ring: RingKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =

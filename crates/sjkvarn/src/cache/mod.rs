@@ -17,6 +17,7 @@ pub mod faults;
 mod fragment_dots;
 mod online_softmax;
 pub mod pool;
+mod ring_scores;
 pub mod sequence;
 pub mod snapshot;
 pub mod staging;

@@ -268,7 +268,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
     /// [`super::product_rows`] with the tile's accumulators in registers: `2 * M` vectors of 16
@@ -406,7 +406,7 @@ mod avx512 {
     /// two vectors' halves packed into one register, so the bits are `reduce`'s.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn reduce16(x: &[__m512; 16]) -> __m512 {
+    pub(crate) unsafe fn reduce16(x: &[__m512; 16]) -> __m512 {
         // Lanes l and l + 8: vectors 2i, 2i + 1 -> one register of two 8-lane halves.
         let s1: [__m512; 8] = std::array::from_fn(|i| {
             let (a, b) = (x[2 * i], x[2 * i + 1]);
