@@ -14,7 +14,7 @@
 
 use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
-use super::ring_scores::{key_scores, FixedQueries, RingKernel};
+use super::ring_scores::{key_scores, value_sums, FixedQueries, RingKernel};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
 use super::Staging;
@@ -173,7 +173,10 @@ fn fold_chunk_body(
     // the block is decoded once and shared by all of them. Both give the same bits. `tq6_0`
     // keys are scored from their codes ([`key_scores`]), never decoded.
     let ring = job.seq.ring_cursor(lj, lj.ring_start(job.sink), h);
-    let coded_keys = lj.rows.k.staging == Staging::Tq6;
+    let (coded_keys, coded_values) = (
+        lj.rows.k.staging == Staging::Tq6,
+        lj.rows.v.staging == Staging::Tq6,
+    );
     if coded_keys && lj.ring_start(job.sink).max(span.start) < lj.len.min(span.end) {
         // Every query pair in fixed point, once per chunk.
         sc.ring_queries.prepare(ctx.rotated, d, job.pairs, d);
@@ -192,15 +195,20 @@ fn fold_chunk_body(
             first += rows;
             continue;
         }
-        let keys = if coded_keys {
+        let coded = if coded_keys || coded_values {
             let ahead = (lj.len - first).min(GROUP + RING_AHEAD);
             for (t, e) in entries[..ahead].iter_mut().enumerate() {
                 *e = ring.entry_bytes(first + t);
             }
-            Some(&entries[..ahead])
+            Some(CodedRows {
+                entries: &entries[..ahead],
+                keys: coded_keys,
+                values: coded_values.then(|| lj.rows.k.row_bytes()),
+            })
         } else {
             None
         };
+        let coded = coded.as_ref();
         if job.pairs <= PAIRS {
             let piece = (4096 / d).clamp(16, GROUP);
             let fill = |t0: usize, value: bool, out: &mut [f32]| {
@@ -216,15 +224,17 @@ fn fold_chunk_body(
                 rows,
                 sc,
                 piece,
-                keys,
+                coded,
                 fill,
             );
         } else {
             for t in 0..rows {
-                if keys.is_none() {
+                if !coded_keys {
                     ring_row(first + t, false, &mut sc.kblk[t * d..(t + 1) * d]);
                 }
-                ring_row(first + t, true, &mut sc.vblk[t * d..(t + 1) * d]);
+                if !coded_values {
+                    ring_row(first + t, true, &mut sc.vblk[t * d..(t + 1) * d]);
+                }
             }
             for pairs in blocks.clone() {
                 fold_dense(
@@ -235,7 +245,7 @@ fn fold_chunk_body(
                     rows,
                     sc,
                     GROUP,
-                    keys,
+                    coded,
                     |_, _, _| {},
                 );
             }
@@ -243,6 +253,16 @@ fn fold_chunk_body(
         first += rows;
     }
     Ok(())
+}
+
+/// The ring entries (K row, then V row) of a block whose keys and/or values are `tq6_0`,
+/// read from their codes ([`key_scores`], [`value_sums`]) instead of decoded; entries past
+/// the block's rows are only fetched ahead.
+struct CodedRows<'a> {
+    entries: &'a [&'a [u8]],
+    keys: bool,
+    /// Where the value row starts in an entry, when values are coded.
+    values: Option<usize>,
 }
 
 /// Ring positions fetched ahead of the one being decoded.
@@ -343,8 +363,7 @@ impl Scratch {
 /// `fill(t0, value, out)` writes the block's K (or V) rows `t0..` into `out` (`[n][d]`, the
 /// start of `sc.kblk` or `sc.vblk`); a block decoded beforehand passes `piece = GROUP` and a
 /// `fill` that does nothing. Every sum keeps its order, so `piece` does not change the bits.
-/// `coded_keys`: the ring entries of a `tq6_0`-keyed block (more may follow, only fetched
-/// ahead), whose keys are scored from their codes instead of `fill`ed.
+/// `coded`: a ring block whose `tq6_0` sides are read from their codes instead of `fill`ed.
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
 fn fold_dense(
@@ -355,7 +374,7 @@ fn fold_dense(
     rows: usize,
     sc: &mut Scratch,
     piece: usize,
-    coded_keys: Option<&[&[u8]]>,
+    coded: Option<&CodedRows>,
     mut fill: impl FnMut(usize, bool, &mut [f32]),
 ) {
     let d = ctx.d;
@@ -365,9 +384,18 @@ fn fold_dense(
         return;
     }
     let queries = ctx.rows_from(pairs.start);
-    if let Some(entries) = coded_keys {
+    if let Some(coded) = coded.filter(|c| c.keys) {
         let (fq, out) = (&sc.ring_queries, &mut sc.logits);
-        key_scores(ctx.ring, fq, pairs.start, np, entries, most, out, GROUP);
+        key_scores(
+            ctx.ring,
+            fq,
+            pairs.start,
+            np,
+            coded.entries,
+            most,
+            out,
+            GROUP,
+        );
     } else {
         for t0 in (0..most).step_by(piece) {
             let n = piece.min(most - t0);
@@ -400,11 +428,18 @@ fn fold_dense(
         let seen = if live[slot] { visible[slot] } else { 0 };
         sc.weights[slot * GROUP + seen..slot * GROUP + most].fill(0.0);
     }
-    for t0 in (0..most).step_by(piece) {
-        let n = piece.min(most - t0);
-        fill(t0, true, &mut sc.vblk[..n * d]);
-        let (w, v, out) = (&sc.weights[t0..], &sc.vblk, &mut sc.part_v);
-        product_from(ctx.level, np, w, GROUP, v, d, n, d, out, d, t0 > 0);
+    if let Some((entries, offset)) = coded.and_then(|c| Some((c.entries, c.values?))) {
+        let (w, out) = (&sc.weights, &mut sc.part_v);
+        value_sums(
+            ctx.ring, d, w, GROUP, np, entries, offset, most, out, d, false,
+        );
+    } else {
+        for t0 in (0..most).step_by(piece) {
+            let n = piece.min(most - t0);
+            fill(t0, true, &mut sc.vblk[..n * d]);
+            let (w, v, out) = (&sc.weights[t0..], &sc.vblk, &mut sc.part_v);
+            product_from(ctx.level, np, w, GROUP, v, d, n, d, out, d, t0 > 0);
+        }
     }
     for (slot, p) in pairs.enumerate() {
         if live[slot] {

@@ -230,16 +230,13 @@ fn reduce_lanes(lanes: [i32; LANES]) -> f32 {
     pairwise(&mut f) + 0.0
 }
 
-/// The block's centroid words, `c[i] = C[code i]` (the portable decoder's bit layout).
+/// The block's centroid words, `c[i] = C[code i]`.
 #[inline(always)]
 fn block_words(block: &[u8], values: usize, words: &[i16; 64], c: &mut [i16]) {
-    let (qs, qh) = (2, 2 + values / 2);
-    for (i, c) in c[..values].chunks_exact_mut(4).enumerate() {
-        let (a, b, h) = (block[qs + 2 * i], block[qs + 2 * i + 1], block[qh + i]);
-        c[0] = words[((a & 0xf) | (h & 3) << 4) as usize];
-        c[1] = words[((a >> 4) | ((h >> 2) & 3) << 4) as usize];
-        c[2] = words[((b & 0xf) | ((h >> 4) & 3) << 4) as usize];
-        c[3] = words[((b >> 4) | (h >> 6) << 4) as usize];
+    let mut codes = [0u8; tq6::BLOCK_VALUES];
+    block_codes(block, values, &mut codes);
+    for (c, &code) in c[..values].iter_mut().zip(&codes[..values]) {
+        *c = words[code as usize];
     }
 }
 
@@ -269,6 +266,104 @@ fn key_scores_portable(q: &Prepared, rows: &[&[u8]], n: usize, out: &mut [f32], 
         for (s, sum) in sums.iter().enumerate().take(q.m) {
             out[s * ldo + t] = *sum;
         }
+    }
+}
+
+/// The format's centroids for blocks of `values` values (the 64-wide extension's are the
+/// 128-value ones times `sqrt 2`, as `tq6` computes them).
+fn centroids_f32(values: usize) -> &'static [f32; 64] {
+    static C64: std::sync::OnceLock<[f32; 64]> = std::sync::OnceLock::new();
+    if values == tq6::BLOCK64_VALUES {
+        C64.get_or_init(|| TQ6_CENTROIDS.map(|c| c * std::f32::consts::SQRT_2))
+    } else {
+        &TQ6_CENTROIDS
+    }
+}
+
+/// `out[s * ldo + c] = sum_t (w[s * ldw + t] norm[t, c]) centroid[code[t, c]]` over `t < n`,
+/// in ascending `t`, one fused multiply-add per step, starting from `out` when `carry` (else
+/// from zero): the value sums of `m` query pairs over `tq6_0` value rows of `d` values, each
+/// at byte `offset` of `rows[t]`, without decoding the rows (the norm joins the weight, the
+/// centroid is the format's f32 value). `rows[n..]` are only prefetched.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn value_sums(
+    kernel: RingKernel,
+    d: usize,
+    w: &[f32],
+    ldw: usize,
+    m: usize,
+    rows: &[&[u8]],
+    offset: usize,
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+    carry: bool,
+) {
+    let values = if d == tq6::BLOCK64_VALUES {
+        tq6::BLOCK64_VALUES
+    } else {
+        tq6::BLOCK_VALUES
+    };
+    let row_bytes = tq6::row_bytes(d);
+    assert!(
+        m <= MAX_ROWS
+            && d.is_multiple_of(values)
+            && n <= rows.len()
+            && rows[..n].iter().all(|r| r.len() >= offset + row_bytes)
+            && (m == 0 || (w.len() >= (m - 1) * ldw + n && out.len() >= (m - 1) * ldo + d)),
+        "ring value rows"
+    );
+    if m == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel != RingKernel::Portable {
+        // SAFETY: the kernel is only chosen where `simd` reported its features; rows, weights
+        // and output were checked above, which is all the kernels read and write.
+        unsafe {
+            match kernel {
+                RingKernel::Vnni => {
+                    avx512::value_sums_vbmi(d, values, w, ldw, m, rows, offset, n, out, ldo, carry)
+                }
+                _ => avx512::value_sums_bw(d, values, w, ldw, m, rows, offset, n, out, ldo, carry),
+            }
+        }
+        return;
+    }
+    let _ = kernel;
+    let (centroids, block_bytes) = (centroids_f32(values), row_bytes / (d / values));
+    for s in 0..m {
+        if !carry {
+            out[s * ldo..s * ldo + d].fill(0.0);
+        }
+    }
+    let mut c = [0u8; tq6::BLOCK_VALUES];
+    for (t, row) in rows[..n].iter().enumerate() {
+        for b in 0..d / values {
+            let block = &row[offset + b * block_bytes..offset + (b + 1) * block_bytes];
+            block_codes(block, values, &mut c);
+            let norm = block_norm(block);
+            for s in 0..m {
+                let a = w[s * ldw + t] * norm;
+                let o = &mut out[s * ldo + b * values..s * ldo + (b + 1) * values];
+                for (o, &code) in o.iter_mut().zip(&c[..values]) {
+                    *o = a.mul_add(centroids[code as usize], *o);
+                }
+            }
+        }
+    }
+}
+
+/// The block's 6-bit codes (the portable decoder's bit layout).
+#[inline(always)]
+fn block_codes(block: &[u8], values: usize, c: &mut [u8]) {
+    let (qs, qh) = (2, 2 + values / 2);
+    for (i, c) in c[..values].chunks_exact_mut(4).enumerate() {
+        let (a, b, h) = (block[qs + 2 * i], block[qs + 2 * i + 1], block[qh + i]);
+        c[0] = (a & 0xf) | (h & 3) << 4;
+        c[1] = (a >> 4) | ((h >> 2) & 3) << 4;
+        c[2] = (b & 0xf) | ((h >> 4) & 3) << 4;
+        c[3] = (b >> 4) | (h >> 6) << 4;
     }
 }
 
@@ -450,6 +545,156 @@ mod avx512 {
         }
     }
 
+    /// The 64 codes of one unpack step as bytes in value order, without VBMI: two 32-code
+    /// word unpacks narrowed to bytes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn codes64_bw(qs: *const u8, qh: *const u8) -> __m512i {
+        let lo = _mm512_cvtepi16_epi8(codes32_bw(qs, qh));
+        let hi = _mm512_cvtepi16_epi8(codes32_bw(qs.add(16), qh.add(8)));
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+
+    /// The value kernel for `M` pairs: 64 channels (one unpack step) at a time, their `4 M`
+    /// accumulators in registers over all rows; each row's 64 codes unpacked once, looked up
+    /// in the f32 centroids (two two-register permutes and a blend per 16), and added with one
+    /// fused multiply-add per pair.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn value_sums_m<const M: usize, const VBMI: bool>(
+        d: usize,
+        values: usize,
+        w: &[f32],
+        ldw: usize,
+        rows: &[&[u8]],
+        offset: usize,
+        n: usize,
+        out: &mut [f32],
+        ldo: usize,
+        carry: bool,
+    ) {
+        let centroids = super::centroids_f32(values).as_ptr();
+        let t: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(centroids.add(16 * i)));
+        let picks = if VBMI {
+            vbmi_picks()
+        } else {
+            [_mm512_setzero_si512(); 4]
+        };
+        let block_bytes = tq6::row_bytes(d) / (d / values);
+        let (op, wp) = (out.as_mut_ptr(), w.as_ptr());
+        for tile in 0..d / 64 {
+            let (b, half) = (64 * tile / values, (64 * tile % values) / 64);
+            let mut acc = [[_mm512_setzero_ps(); 4]; M];
+            if carry {
+                for s in 0..M {
+                    for k in 0..4 {
+                        acc[s][k] = _mm512_loadu_ps(op.add(s * ldo + 64 * tile + 16 * k));
+                    }
+                }
+            }
+            for r in 0..n {
+                if tile == 0 {
+                    if let Some(ahead) = rows.get(r + AHEAD) {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.as_ptr().add(offset) as *const i8);
+                    }
+                }
+                let blk = rows[r].as_ptr().add(offset + b * block_bytes);
+                let norm = f16_norm(blk);
+                let (qs, qh) = (blk.add(2 + 32 * half), blk.add(2 + values / 2 + 16 * half));
+                let codes = if VBMI {
+                    codes64_vbmi(qs, qh, &picks)
+                } else {
+                    codes64_bw(qs, qh)
+                };
+                let mut v = [_mm512_setzero_ps(); 4];
+                for (k, v) in v.iter_mut().enumerate() {
+                    let idx = _mm512_cvtepu8_epi32(match k {
+                        0 => _mm512_extracti32x4_epi32::<0>(codes),
+                        1 => _mm512_extracti32x4_epi32::<1>(codes),
+                        2 => _mm512_extracti32x4_epi32::<2>(codes),
+                        _ => _mm512_extracti32x4_epi32::<3>(codes),
+                    });
+                    let low = _mm512_permutex2var_ps(t[0], idx, t[1]);
+                    let high = _mm512_permutex2var_ps(t[2], idx, t[3]);
+                    let upper = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+                    *v = _mm512_mask_blend_ps(upper, low, high);
+                }
+                for s in 0..M {
+                    // SAFETY: weight `r < n` of pair `s` (checked by the caller).
+                    let a = _mm512_set1_ps(*wp.add(s * ldw + r) * norm);
+                    for k in 0..4 {
+                        acc[s][k] = _mm512_fmadd_ps(a, v[k], acc[s][k]);
+                    }
+                }
+            }
+            for s in 0..M {
+                for k in 0..4 {
+                    // SAFETY: channels `64 tile + 16 k .. + 16 < d` of pair `s`.
+                    _mm512_storeu_ps(op.add(s * ldo + 64 * tile + 16 * k), acc[s][k]);
+                }
+            }
+        }
+    }
+
+    /// A block's fp16 norm as f32.
+    #[inline(always)]
+    unsafe fn f16_norm(blk: *const u8) -> f32 {
+        crate::codec::fp16::f16_to_f32(u16::from_le_bytes([*blk, *blk.add(1)]))
+    }
+
+    macro_rules! value_entry {
+        ($name:ident, $features:literal, $vbmi:literal) => {
+            /// [`super::value_sums`] for one feature set.
+            ///
+            /// # Safety
+            /// The CPU must have the features; operands as `value_sums` checks.
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $name(
+                d: usize,
+                values: usize,
+                w: &[f32],
+                ldw: usize,
+                m: usize,
+                rows: &[&[u8]],
+                offset: usize,
+                n: usize,
+                out: &mut [f32],
+                ldo: usize,
+                carry: bool,
+            ) {
+                macro_rules! go {
+                    ($m:literal) => {
+                        value_sums_m::<$m, $vbmi>(
+                            d, values, w, ldw, rows, offset, n, out, ldo, carry,
+                        )
+                    };
+                }
+                match m {
+                    1 => go!(1),
+                    2 => go!(2),
+                    3 => go!(3),
+                    4 => go!(4),
+                    5 => go!(5),
+                    6 => go!(6),
+                    7 => go!(7),
+                    _ => go!(8),
+                }
+            }
+        };
+    }
+
+    value_entry!(
+        value_sums_vbmi,
+        "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c,fma",
+        true
+    );
+    value_entry!(
+        value_sums_bw,
+        "avx512f,avx512bw,avx512vl,avx512dq,f16c,fma",
+        false
+    );
+
     macro_rules! entry {
         ($name:ident, $features:literal, $vnni:literal, $vbmi:literal) => {
             /// [`super::key_scores`] for one feature set.
@@ -584,5 +829,72 @@ mod tests {
         let mut out = vec![1.0f32; 6];
         key_scores(RingKernel::Portable, &fq, 0, 2, &slices, 3, &mut out, 3);
         assert!(out[..3].iter().all(|&x| x == 0.0) && out[3..].iter().all(|x| x.is_nan()));
+    }
+    /// The value sums of every kernel this CPU has give the portable bits, and equal the
+    /// weighted sums of the decoded rows up to float rounding (the norm joins the weight).
+    #[test]
+    fn value_sums_are_weighted_sums_of_the_decoded_rows() {
+        let mut rng = SplitMix64::new(8);
+        let mut kernels = vec![RingKernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::simd::avx512() {
+                kernels.push(RingKernel::Avx512);
+            }
+            if RingKernel::for_level(crate::simd::simd_level()) == RingKernel::Vnni {
+                kernels.push(RingKernel::Vnni);
+            }
+        }
+        for d in [64usize, 128, 256] {
+            // Entries: 5 bytes of something else, then the value row.
+            let rows: Vec<Vec<u8>> = rows_of(d, 37, &mut rng)
+                .into_iter()
+                .map(|r| [vec![9u8; 5], r].concat())
+                .collect();
+            let slices: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
+            for m in [1usize, 3, 6, 8] {
+                let w: Vec<f32> = rng.gaussians(m * 40).iter().map(|x| x.abs()).collect();
+                let mut want = vec![0.5f32; m * d];
+                value_sums(
+                    RingKernel::Portable,
+                    d,
+                    &w,
+                    40,
+                    m,
+                    &slices,
+                    5,
+                    37,
+                    &mut want,
+                    d,
+                    false,
+                );
+                for &kernel in &kernels {
+                    for carry in [false, true] {
+                        let mut got = vec![0.5f32; m * d];
+                        value_sums(kernel, d, &w, 40, m, &slices, 5, 37, &mut got, d, carry);
+                        if carry {
+                            got.iter_mut().for_each(|x| *x -= 0.5);
+                            let close = got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4);
+                            assert!(close, "{kernel:?} carry, d {d}, {m}");
+                        } else {
+                            assert_eq!(got, want, "{kernel:?}, d {d}, {m} pairs");
+                        }
+                    }
+                }
+                let mut decoded = vec![0.0f32; d];
+                let mut exact = vec![0.0f64; m * d];
+                for (t, row) in rows.iter().enumerate() {
+                    tq6::decode_row(&row[5..5 + tq6::row_bytes(d)], &mut decoded);
+                    for s in 0..m {
+                        for c in 0..d {
+                            exact[s * d + c] += w[s * 40 + t] as f64 * decoded[c] as f64;
+                        }
+                    }
+                }
+                for (g, e) in want.iter().zip(&exact) {
+                    assert!((*g as f64 - e).abs() < 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
+                }
+            }
+        }
     }
 }
