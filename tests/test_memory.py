@@ -54,6 +54,26 @@ def test_rule_matches_a_real_cache() -> None:
     assert m["sink_bytes"] + m["ring_bytes"] + m["body_bytes"] == pytest.approx(expected, rel=1e-9)
 
 
+def test_in_use_bytes_count_only_layers_that_hold_tokens() -> None:
+    """A hybrid model appends to some layers only: `in_use_bytes` is what those layers hold
+    allocated (sink, ring, records), the other layers' up-front sink and ring left out."""
+    cfg = sjkvarn.Config(
+        layers=2, kv_heads=2, head_dim=64, min_tail=128, max_tail=384, max_chunk=64, max_tokens=4096
+    )
+    cache = sjkvarn.Cache(cfg)
+    gen = torch.Generator().manual_seed(1)
+    n = 700
+    k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+    cache.append(0, k, v)
+    m = cache.memory()
+    assert m["body_bytes"] > 0 and m["in_use_layers"] == 1
+    per_layer = (m["sink_bytes"] + m["ring_bytes"]) // 2
+    assert m["in_use_bytes"] == per_layer + m["body_bytes"]
+    cache.append(1, k, v)
+    m = cache.memory()
+    assert m["in_use_layers"] == 2 and m["in_use_bytes"] == m["allocated_bytes"]
+
+
 def test_unknown_model() -> None:
     with pytest.raises(ValueError, match="unknown model"):
         memory.geometry("llama-9000")

@@ -234,6 +234,8 @@ pub(crate) fn memory_dict<'py>(
     d.set_item("sealed_tokens", m.sealed_tokens)?;
     d.set_item("ring_tokens", m.ring_tokens)?;
     d.set_item("effective_bits", m.effective_bits)?;
+    d.set_item("in_use_layers", m.in_use_layers)?;
+    d.set_item("in_use_bytes", m.in_use_bytes)?;
     d.set_item("pool_capacity_slots", pool.capacity)?;
     d.set_item("pool_used_slots", pool.used)?;
     d.set_item("pool_slot_bytes", pool.slot_bytes)?;

@@ -133,6 +133,7 @@ class ArmResult:
     task: list[int] = field(default_factory=list)
     bits: list[float] = field(default_factory=list)
     allocated_bytes: list[float] = field(default_factory=list)
+    allocated_bits: list[float] = field(default_factory=list)
     seconds: float = 0.0
     sealed_fraction: list[float] = field(default_factory=list)
     staging_picks: list[list[str | None]] = field(default_factory=list)
@@ -184,15 +185,19 @@ def run_sequence(
     """Runs ``ids`` through ``model`` with ``arm``'s cache (``None``: exact reference) and
     returns log-probs at positions ``score_from - 1 .. len - 2`` (predicting tokens
     ``score_from .. len - 1``), the occupied bits/value averaged over the scored positions and
-    the allocated cache bytes at the end. For a journal arm, ``info`` (when given) receives the
-    share of tokens in sealed records at the end and what ``staging="auto"`` picked."""
+    the allocated cache bytes at the end (of the layers the arm stores). ``info`` (when given)
+    receives the allocated bits per stored value at the end and, for a journal arm, the share of
+    tokens in sealed records and what ``staging="auto"`` picked."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache as HFCache
 
     total = ids.shape[1]
     layers = model.config.num_hidden_layers
     geo = hf.config_for(model)
-    values_per_token = layers * geo.kv_heads * geo.head_dim * 2
+    # Values per token of the layers the arms store (a hybrid model's sliding-window layers
+    # keep transformers' own storage in every arm).
+    full_layers = sum(1 for _, layer in hf._other_layers(model, layers) if layer is None)
+    values_per_token = full_layers * geo.kv_heads * geo.head_dim * 2
     sj: hf.SJKVCache | None = None
     if arm is None:
         model.set_attn_implementation("sdpa")
@@ -238,7 +243,9 @@ def run_sequence(
     if sj is not None:
         bits = bit_sum / logp.shape[0]
         mem = sj.sjkv.memory()
-        allocated = float(mem["allocated_bytes"])
+        # The layers that hold tokens: the journal's other layers are allocated but unused.
+        allocated = float(mem["in_use_bytes"])
+        values = mem["in_use_layers"] * geo.kv_heads * geo.head_dim * 2 * total
         if info is not None:
             held = mem["sealed_tokens"] + mem["ring_tokens"] + mem["sink_tokens"]
             info["sealed_fraction"] = mem["sealed_tokens"] / max(held, 1)
@@ -247,6 +254,9 @@ def run_sequence(
                 info["staging_picks"] = [p and p["k"] + "/" + p["v"] for p in picks]
     else:
         allocated = bits * values_per_token * total / 8
+        values = values_per_token * total
+    if info is not None:
+        info["allocated_bits"] = allocated * 8 / max(values, 1)
     return logp, bits, allocated
 
 
@@ -341,6 +351,7 @@ def evaluate(
             r.task.extend([t] * len(kl))
             r.bits.extend([bits] * len(kl))
             r.allocated_bytes.append(allocated)
+            r.allocated_bits.append(info["allocated_bits"])
             bar.update()
     bar.close()
     base = np.array(results[s.baseline].kl)
@@ -359,6 +370,7 @@ def evaluate(
             top1=float(np.mean(r.top1)),
             bits_per_value=float(np.mean(r.bits)),
             allocated_mib=float(np.mean(r.allocated_bytes)) / 2**20,
+            allocated_bits=float(np.mean(r.allocated_bits)),
             seconds=r.seconds,
             positions=int(kl.size),
         )
@@ -433,15 +445,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (" and over histories." if len(report["histories"]) > 1 else "."),
         _environment_line(report["environment"]),
         "",
-        "| arm | bits/value | mean KL | median | p90 | p99 | top-1 | ratio | CI (positions) | "
-        "CI (histories) | MiB | s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "| arm | bits/value | allocated bits | mean KL | median | p90 | p99 | top-1 | ratio | "
+        "CI (positions) | CI (histories) | MiB | s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for name, a in report["arms"].items():
         r = a["ratio"]
         ct = r.get("ci_histories")
         out.append(
-            f"| {name} | {a['bits_per_value']:.2f} | {a['mean']:.3e} | {a['median']:.2e} | "
+            f"| {name} | {a['bits_per_value']:.2f} | {a.get('allocated_bits', float('nan')):.2f} | "
+            f"{a['mean']:.3e} | {a['median']:.2e} | "
             f"{a['p90']:.2e} | {a['p99']:.2e} | {a['top1']:.3f} | {r['point']:.3f} | "
             f"{r['ci_positions'][0]:.3f}-{r['ci_positions'][1]:.3f} | "
             + (f"{ct[0]:.3f}-{ct[1]:.3f}" if ct else "-")
@@ -450,36 +463,153 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Names of the points no other point beats on both axes (fewer or equal bits and less or
+    equal KL, one of them strictly), in ascending bits."""
+    front = []
+    for name, (x, y) in points.items():
+        beaten = any(
+            (ox <= x and oy <= y) and (ox < x or oy < y)
+            for other, (ox, oy) in points.items()
+            if other != name
+        )
+        if not beaten:
+            front.append(name)
+    return sorted(front, key=lambda n: points[n])
+
+
+# Label offsets (points) tried in order, nearest first; `ha` follows the horizontal direction.
+_LABEL_OFFSETS = [
+    (dx * r, dy * r)
+    for r in (1, 2, 3, 4)
+    for dx, dy in ((5, 4), (5, -11), (-5, 4), (-5, -11), (0, 10), (0, -16), (9, -3), (-9, -3))
+]
+
+
+def place_labels(
+    ax: Any,
+    points: dict[str, tuple[float, float]],
+    spans: dict[str, tuple[float, float]] | None = None,
+    colors: dict[str, Any] | None = None,
+    fontsize: float = 7,
+) -> list:
+    """Annotates each point with its name where the label stays inside the axes and overlaps
+    no other label, no marker, no error bar (``spans``: each point's low and high value) and
+    no legend: offsets are tried nearest first; a label set further out than the nearest ring
+    gets a leader line, and one that fits nowhere goes to the last offset. Labels take their
+    point's colour (``colors``). Call after the axes' limits and layout are final. Returns the
+    label boxes in display coordinates."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    marker = 4.0  # half-size of a marker box, display pixels
+    taken = []
+    for name, (x, y) in points.items():
+        lo, hi = (spans or {}).get(name, (y, y))
+        px, p_lo = ax.transData.transform((x, min(lo, y)))
+        _, p_hi = ax.transData.transform((x, max(hi, y)))
+        taken.append(_box(px - marker, p_lo - marker, px + marker, p_hi + marker))
+    legend = ax.get_legend()
+    if legend is not None:
+        taken.append(legend.get_window_extent(renderer))
+    inside = ax.get_window_extent(renderer)
+    boxes = []
+    near = len(_LABEL_OFFSETS) // 4  # offsets of the nearest ring
+    for name, (x, y) in sorted(points.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        color = (colors or {}).get(name, "black")
+        chosen = None
+        for i in range(len(_LABEL_OFFSETS)):
+            text = _annotate(ax, name, (x, y), i, color, fontsize, lead=i >= near)
+            box = text.get_window_extent(renderer)
+            fits = (
+                box.x0 >= inside.x0
+                and box.x1 <= inside.x1
+                and box.y0 >= inside.y0
+                and box.y1 <= inside.y1
+            )
+            if fits and not any(box.overlaps(t) for t in taken):
+                chosen = box
+                break
+            text.remove()
+        if chosen is None:
+            last = len(_LABEL_OFFSETS) - 1
+            text = _annotate(ax, name, (x, y), last, color, fontsize, lead=True)
+            chosen = text.get_window_extent(renderer)
+        taken.append(chosen)
+        boxes.append(chosen)
+    return boxes
+
+
+def _annotate(
+    ax: Any, name: str, xy: tuple[float, float], i: int, color: Any, size: float, lead: bool
+) -> Any:
+    """Label `name` at offset `i` of `_LABEL_OFFSETS` from `xy`, with a leader line if `lead`."""
+    dx, dy = _LABEL_OFFSETS[i]
+    line = dict(arrowstyle="-", lw=0.5, color=color, shrinkA=0, shrinkB=3)
+    return ax.annotate(
+        name,
+        xy,
+        xytext=(dx, dy),
+        textcoords="offset points",
+        fontsize=size,
+        color=color,
+        ha="left" if dx >= 0 else "right",
+        va="bottom",
+        arrowprops=line if lead else None,
+    )
+
+
+def _box(x0: float, y0: float, x1: float, y1: float) -> Any:
+    from matplotlib.transforms import Bbox
+
+    return Bbox([[x0, y0], [x1, y1]])
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
+    """The equal-bytes figure: mean KL against allocated bits per stored value at the run's
+    context (occupied bits for a report from before that column), 95% CIs, and the Pareto
+    frontier of the arms, labels placed so that none overlaps another or a marker."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     base_mean = report["arms"][report["settings"]["baseline"]]["mean"]
+    points: dict[str, tuple[float, float]] = {}
+    spans: dict[str, tuple[float, float]] = {}
+    colors: dict[str, Any] = {}
+    allocated = all("allocated_bits" in a for a in report["arms"].values())
     for name, a in report["arms"].items():
-        lo, hi = (x * base_mean for x in a["ratio"]["ci_positions"])
-        ax.errorbar(
-            a["bits_per_value"],
-            a["mean"],
-            yerr=[[a["mean"] - lo], [hi - a["mean"]]],
-            fmt="o",
-            capsize=3,
+        x = a["allocated_bits"] if allocated else a["bits_per_value"]
+        points[name] = (x, a["mean"])
+        lo, hi = (v * base_mean for v in a["ratio"]["ci_positions"])
+        spans[name] = (lo, hi)
+        bar = ax.errorbar(
+            x, a["mean"], yerr=[[a["mean"] - lo], [hi - a["mean"]]], fmt="o", capsize=3, ms=4
         )
-        ax.annotate(
-            name,
-            (a["bits_per_value"], a["mean"]),
-            textcoords="offset points",
-            xytext=(4, 4),
-            fontsize=7,
-        )
-    ax.set_xlabel("occupied bits per value")
+        colors[name] = bar.lines[0].get_color()
+    front = pareto_frontier(points)
+    ax.step(
+        [points[n][0] for n in front],
+        [points[n][1] for n in front],
+        where="post",
+        color="0.3",
+        lw=1,
+        ls="--",
+        label="Pareto frontier",
+    )
+    tokens = report["settings"]["history_tokens"] + report["settings"]["scored_tokens"]
+    kind = "allocated" if allocated else "occupied"
+    ax.set_xlabel(f"{kind} bits per stored K/V value at {tokens:,} tokens")
     ax.set_ylabel("mean KL(p||q), nats")
     ax.set_yscale("log")
-    ax.set_title("KL against an exact cache (95% CIs from the paired bootstrap)")
+    ax.set_title("KL against an exact cache at equal bytes (95% CIs, paired bootstrap)")
     ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    xs = [p[0] for p in points.values()]
+    ax.set_xlim(min(xs) - 1.2, max(xs) + 1.4)
     fig.tight_layout()
+    place_labels(ax, points, spans, colors)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

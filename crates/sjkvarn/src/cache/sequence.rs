@@ -153,6 +153,10 @@ pub struct MemoryReport {
     pub sink_tokens: usize,
     /// Occupied bits per cached value: `(body + ring + 16-bit sink) / values`.
     pub effective_bits: f64,
+    /// Layers that hold tokens, and their allocated bytes (sink, ring, records): what the
+    /// cache costs a hybrid model whose other layers never append here.
+    pub in_use_layers: usize,
+    pub in_use_bytes: usize,
 }
 
 /// One layer's journal as plain bytes: what a device copy of the layer holds, and what crosses
@@ -771,22 +775,30 @@ impl Sequence {
             .collect();
         let ring_bytes = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
+        let slot = self.pool.slot_bytes();
+        let in_use = self
+            .layers
+            .iter()
+            .filter(|l| l.len > 0)
+            .map(|l| (1, l.ring.len() + l.blocks.len() * slot));
         memory_report(
             &self.config,
             &lens,
             ring_bytes,
-            slots * self.pool.slot_bytes(),
+            slots * slot,
+            in_use.fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1)),
         )
     }
 }
 
 /// The memory report of a journal whose layers hold `(len, sealed, ring bits per value)` (any
-/// backend).
+/// backend); `in_use` is the count of layers holding tokens and their ring and record bytes.
 pub fn memory_report(
     cfg: &CacheConfig,
     layers: &[(usize, usize, f64)],
     ring_bytes: usize,
     body_bytes: usize,
+    in_use: (usize, usize),
 ) -> MemoryReport {
     let per_pos_values = cfg.kv_heads * cfg.head_dim * 2;
     let sink_bytes = cfg.layers * cfg.sink * per_pos_values * 2;
@@ -812,5 +824,7 @@ pub fn memory_report(
         ring_tokens,
         sink_tokens,
         effective_bits: if values > 0.0 { bits / values } else { 0.0 },
+        in_use_layers: in_use.0,
+        in_use_bytes: in_use.1 + in_use.0 * cfg.sink * per_pos_values * 2,
     }
 }

@@ -854,7 +854,14 @@ impl DeviceSequence {
             .collect();
         let ring = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
-        memory_report(&self.config, &lens, ring, slots * self.pool.slot_bytes())
+        let slot = self.pool.slot_bytes();
+        let in_use = self
+            .layers
+            .iter()
+            .filter(|l| l.len > 0)
+            .map(|l| (1, l.ring.len() + l.blocks.len() * slot))
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        memory_report(&self.config, &lens, ring, slots * slot, in_use)
     }
 
     /// A CPU sequence with the same bytes (for snapshots, or to compare with the reference).
