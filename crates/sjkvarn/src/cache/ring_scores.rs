@@ -234,7 +234,7 @@ fn reduce_lanes(lanes: [i32; LANES]) -> f32 {
 #[inline(always)]
 fn block_words(block: &[u8], values: usize, words: &[i16; 64], c: &mut [i16]) {
     let mut codes = [0u8; tq6::BLOCK_VALUES];
-    block_codes(block, values, &mut codes);
+    tq6::block_codes(block, values, &mut codes);
     for (c, &code) in c[..values].iter_mut().zip(&codes[..values]) {
         *c = words[code as usize];
     }
@@ -341,7 +341,7 @@ pub(crate) fn value_sums(
     for (t, row) in rows[..n].iter().enumerate() {
         for b in 0..d / values {
             let block = &row[offset + b * block_bytes..offset + (b + 1) * block_bytes];
-            block_codes(block, values, &mut c);
+            tq6::block_codes(block, values, &mut c);
             let norm = block_norm(block);
             for s in 0..m {
                 let a = w[s * ldw + t] * norm;
@@ -351,19 +351,6 @@ pub(crate) fn value_sums(
                 }
             }
         }
-    }
-}
-
-/// The block's 6-bit codes (the portable decoder's bit layout).
-#[inline(always)]
-fn block_codes(block: &[u8], values: usize, c: &mut [u8]) {
-    let (qs, qh) = (2, 2 + values / 2);
-    for (i, c) in c[..values].chunks_exact_mut(4).enumerate() {
-        let (a, b, h) = (block[qs + 2 * i], block[qs + 2 * i + 1], block[qh + i]);
-        c[0] = (a & 0xf) | (h & 3) << 4;
-        c[1] = (a >> 4) | ((h >> 2) & 3) << 4;
-        c[2] = (b & 0xf) | ((h >> 4) & 3) << 4;
-        c[3] = (b >> 4) | (h >> 6) << 4;
     }
 }
 
@@ -753,11 +740,8 @@ mod tests {
             .collect()
     }
 
-    /// Every kernel this CPU has gives the portable bits, for both block sizes, every query
-    /// count and partial row groups.
-    #[test]
-    fn every_kernel_gives_the_portable_bits() {
-        let mut rng = SplitMix64::new(5);
+    /// The kernels this CPU can run.
+    fn kernels() -> Vec<RingKernel> {
         let mut kernels = vec![RingKernel::Portable];
         #[cfg(target_arch = "x86_64")]
         {
@@ -768,6 +752,15 @@ mod tests {
                 kernels.push(RingKernel::Vnni);
             }
         }
+        kernels
+    }
+
+    /// Every kernel this CPU has gives the portable bits, for both block sizes, every query
+    /// count and partial row groups.
+    #[test]
+    fn every_kernel_gives_the_portable_bits() {
+        let mut rng = SplitMix64::new(5);
+        let kernels = kernels();
         for d in [64usize, 128, 256] {
             let rows = rows_of(d, 37, &mut rng);
             let slices: Vec<&[u8]> = rows.iter().map(|r| &r[..]).collect();
@@ -835,16 +828,7 @@ mod tests {
     #[test]
     fn value_sums_are_weighted_sums_of_the_decoded_rows() {
         let mut rng = SplitMix64::new(8);
-        let mut kernels = vec![RingKernel::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if crate::simd::avx512() {
-                kernels.push(RingKernel::Avx512);
-            }
-            if RingKernel::for_level(crate::simd::simd_level()) == RingKernel::Vnni {
-                kernels.push(RingKernel::Vnni);
-            }
-        }
+        let kernels = kernels();
         for d in [64usize, 128, 256] {
             // Entries: 5 bytes of something else, then the value row.
             let rows: Vec<Vec<u8>> = rows_of(d, 37, &mut rng)

@@ -115,8 +115,16 @@ fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
         unsafe { unpack_lookup_avx512(&t.centroids, &block[qs..], &block[qh..], n, norm, out) };
         return;
     }
-    // The 6-bit codes, four per step: two `qs` bytes (low nibbles), one `qh` byte (high pairs).
     let mut codes = [0u8; BLOCK_VALUES];
+    block_codes(block, n, &mut codes);
+    lookup_portable(&t.centroids, &codes[..n], norm, &mut out[..n]);
+}
+
+/// The 6-bit codes of a block of `n` values, four per step: two `qs` bytes (low nibbles), one
+/// `qh` byte (high pairs).
+#[inline(always)]
+pub(crate) fn block_codes(block: &[u8], n: usize, codes: &mut [u8]) {
+    let (qs, qh) = (2, 2 + n / 2);
     for (i, c) in codes[..n].chunks_exact_mut(4).enumerate() {
         let (a, b, h) = (block[qs + 2 * i], block[qs + 2 * i + 1], block[qh + i]);
         c[0] = (a & 0xf) | (h & 3) << 4;
@@ -124,7 +132,6 @@ fn decode_n(block: &[u8], n: usize, out: &mut [f32]) {
         c[2] = (b & 0xf) | ((h >> 4) & 3) << 4;
         c[3] = (b >> 4) | (h >> 6) << 4;
     }
-    lookup_portable(&t.centroids, &codes[..n], norm, &mut out[..n]);
 }
 
 #[inline(always)]
