@@ -251,6 +251,7 @@ impl UnitReader {
         if l.body == Body::Trellis {
             // Channel-major runs; both sides stay channel-major (`v_by_channel`).
             self.runs(rec, is_v, 0, &mut out[..d * g]);
+            return;
         } else {
             // Token-major stream: unpack linearly, then place (a transpose for keys).
             let codes = &mut self.scratch[..d * g];
