@@ -73,9 +73,6 @@ pub struct DecodedHalf {
     /// straight from the record, at this byte range of it, and `k_units` / `v_units` are unused.
     pub k_fragments: Option<std::ops::Range<usize>>,
     pub v_fragments: Option<std::ops::Range<usize>>,
-    /// Trellis sides were not decoded into `k_units` / `v_units`: attention decodes their
-    /// runs a few channels at a time ([`crate::codec::HalfReader::runs`]).
-    pub trellis_deferred: bool,
 }
 
 impl DecodedHalf {
@@ -93,7 +90,6 @@ impl DecodedHalf {
             v_by_channel: false,
             k_fragments: None,
             v_fragments: None,
-            trellis_deferred: false,
         }
     }
 }

@@ -161,18 +161,8 @@ fn fold_chunk_body(
         let mut ahead = Ahead::new(next.as_ref().map_or(&[][..], |n| &n[h * rb..(h + 1) * rb]));
         let rec = &bytes[h * rb..(h + 1) * rb];
         reader.read(rec, &mut sc.halves)?;
-        if job.pairs > PAIRS {
-            // Several pair blocks share the record: its trellis runs are decoded once.
-            for hd in sc.halves.iter_mut().filter(|hd| hd.trellis_deferred) {
-                reader.runs(rec, false, 0, &mut hd.k_units);
-                reader.runs(rec, true, 0, &mut hd.v_units);
-                hd.trellis_deferred = false;
-            }
-        }
         for pairs in blocks.clone() {
-            fold_record(
-                ctx, states, pairs, first, job.r, rec, reader, sc, &mut ahead,
-            );
+            fold_record(ctx, states, pairs, first, job.r, rec, sc, &mut ahead);
         }
         ahead.finish();
         current = next;
@@ -275,11 +265,6 @@ struct CodedRows<'a> {
     values: Option<usize>,
 }
 
-/// Trellis runs (channels) decoded at a time while a record is scored: 32 x 128 f32 units are
-/// 16 KiB, which stay in L1 between the decode and the product that reads them (a whole
-/// 256-channel side, 128 KiB, does not).
-const RUNS: usize = 32;
-
 /// Ring positions fetched ahead of the one being decoded.
 const RING_AHEAD: usize = 8;
 
@@ -355,8 +340,6 @@ struct Scratch {
     halves: Vec<DecodedHalf>,
     fragments: FragmentScratch,
     ring_queries: FixedQueries,
-    /// `[RUNS][GROUP]`: a few channels' trellis runs, decoded as they are used.
-    runs: Vec<f32>,
 }
 
 impl Scratch {
@@ -372,7 +355,6 @@ impl Scratch {
             halves: Vec::new(),
             fragments: FragmentScratch::default(),
             ring_queries: FixedQueries::default(),
-            runs: vec![0.0; RUNS * GROUP],
         }
     }
 }
@@ -483,7 +465,6 @@ fn fold_record(
     first: usize,
     r: usize,
     rec: &[u8],
-    reader: &HalfReader,
     sc: &mut Scratch,
     ahead: &mut Ahead,
 ) {
@@ -524,27 +505,6 @@ fn fold_record(
                 GROUP,
                 ahead,
             );
-        } else if hd.trellis_deferred {
-            // A few channels' runs at a time, decoded into L1 and multiplied at once; the
-            // split product continues its ascending sum, so the bits are the whole product's.
-            for c0 in (0..r).step_by(RUNS) {
-                let n = RUNS.min(r - c0);
-                reader.runs(rec, false, c0, &mut sc.runs[..n * GROUP]);
-                let (a, units) = (&sc.a_rows[c0..], &sc.runs);
-                product_from(
-                    ctx.level,
-                    np,
-                    a,
-                    r,
-                    units,
-                    GROUP,
-                    n,
-                    GROUP,
-                    out,
-                    GROUP,
-                    c0 > 0,
-                );
-            }
         } else {
             product(
                 ctx.level,
@@ -603,14 +563,7 @@ fn fold_record(
             wa[seen..].fill(0.0);
             offset[slot] = dot(w, &hd.z_v[..seen]);
         }
-        if hd.v_by_channel && hd.trellis_deferred {
-            for c0 in (0..r).step_by(RUNS) {
-                let n = RUNS.min(r - c0);
-                reader.runs(rec, true, c0, &mut sc.runs[..n * GROUP]);
-                let (a, b, out) = (&sc.a_rows, &sc.runs, &mut sc.part_v[c0..]);
-                dots(ctx.level, np, a, GROUP, b, GROUP, inner, n, out, r);
-            }
-        } else if hd.v_by_channel {
+        if hd.v_by_channel {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
         } else if let Some(range) = &hd.v_fragments {

@@ -171,14 +171,13 @@ pub enum HalfReader {
 }
 
 impl HalfReader {
-    /// The halves of `rec` into `out` (resized to the half count; buffers reused). Trellis
-    /// sides of reference records are left to [`HalfReader::runs`] (`trellis_deferred`).
+    /// The halves of `rec` into `out` (resized to the half count; buffers reused).
     #[inline(always)]
     pub fn read(&mut self, rec: &[u8], out: &mut Vec<DecodedHalf>) -> Result<()> {
         match self {
             HalfReader::Reference(reader) => {
                 out.resize_with(1, DecodedHalf::empty);
-                reader.read_deferred(rec, &mut out[0])
+                reader.read(rec, &mut out[0])
             }
             HalfReader::Extension(spec) => {
                 out.clear();
@@ -187,18 +186,6 @@ impl HalfReader {
                 }
                 Ok(())
             }
-        }
-    }
-}
-
-impl HalfReader {
-    /// Trellis runs (channels) `first..` of one side of a reference record into `out`
-    /// ([`UnitReader::runs`]); a record `read` marked `trellis_deferred`.
-    #[inline(always)]
-    pub fn runs(&self, rec: &[u8], is_v: bool, first: usize, out: &mut [f32]) {
-        match self {
-            HalfReader::Reference(reader) => reader.runs(rec, is_v, first, out),
-            HalfReader::Extension(_) => unreachable!("extension records are decoded whole"),
         }
     }
 }

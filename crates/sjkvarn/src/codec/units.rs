@@ -114,8 +114,6 @@ pub struct UnitReader {
     scratch: Vec<u8>,
     /// One scale field's fp16 values, gathered.
     halves: Vec<f16>,
-    /// `read` leaves trellis sides undecoded ([`UnitReader::read_deferred`]).
-    defer: bool,
 }
 
 impl UnitReader {
@@ -136,7 +134,6 @@ impl UnitReader {
             v_slot: (0..d).map(|c| layout.v_channel_slot(c) as u16).collect(),
             scratch: vec![0u8; d * layout.group],
             halves: Vec::with_capacity(d.max(layout.group)),
-            defer: false,
         }
     }
 
@@ -160,13 +157,12 @@ impl UnitReader {
         for buf in [&mut out.k_units, &mut out.v_units] {
             buf.resize(d * g, 0.0);
         }
-        out.trellis_deferred = false;
         out.k_fragments = self.fragments(false);
-        if out.k_fragments.is_none() && !self.defer {
+        if out.k_fragments.is_none() {
             self.read_side(rec, false, &mut out.k_units);
         }
         out.v_fragments = self.fragments(true);
-        if out.v_fragments.is_none() && !self.defer {
+        if out.v_fragments.is_none() {
             self.read_side(rec, true, &mut out.v_units);
         }
         out.v_by_channel = l.body == Body::Trellis;
@@ -192,55 +188,6 @@ impl UnitReader {
         l.fragment_order(is_v).then_some(start..end)
     }
 
-    /// Trellis runs `first..first + out.len() / G` of one side (channels, `G` codes each) as
-    /// units into `out`: each code's value is its window's codebook entry. Attention decodes a
-    /// few channels at a time with this, so the units it reads stay in L1.
-    #[inline(always)]
-    pub fn runs(&self, rec: &[u8], is_v: bool, first: usize, out: &mut [f32]) {
-        let l = self.layout;
-        let (d, g) = (l.head_dim, l.group);
-        let bits = l.bits(is_v);
-        let count = out.len() / g;
-        assert!(
-            l.body == Body::Trellis && rec.len() == l.bytes && first + count <= d,
-            "trellis runs"
-        );
-        let payload = l.payload(rec, is_v);
-        let cb = &self.codebooks[is_v as usize];
-        let start = if is_v { l.v_payload } else { l.k_payload };
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx512() && g.is_multiple_of(32) && (bits == 2 || bits == 3) {
-            let cb16 = super::trellis::codebook(bits, is_v);
-            let out = &mut out[..count * g];
-            // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ (and VBMI where used); the kernels
-            // read only bytes inside `rec`, write `count * g` values, and the codebook has
-            // `1 << (6 + bits)` entries (256 or 512), indexed by windows of `6 + bits` bits.
-            unsafe {
-                match (crate::simd::avx512_vbmi(), bits) {
-                    (true, 2) => trellis_side_vbmi::<4>(rec, start, bits, g, cb16, first, out),
-                    (true, _) => trellis_side_vbmi::<8>(rec, start, bits, g, cb16, first, out),
-                    (false, 2) => trellis_side_avx512::<4>(rec, start, bits, g, cb16, first, out),
-                    (false, _) => trellis_side_avx512::<8>(rec, start, bits, g, cb16, first, out),
-                }
-            }
-            return;
-        }
-        for (i, run) in out.chunks_exact_mut(g).enumerate() {
-            trellis_run(rec, start, payload.len(), bits, first + i, cb, run);
-        }
-    }
-
-    /// [`UnitReader::read`] without decoding trellis sides (`trellis_deferred` is set): the
-    /// caller decodes their runs as it needs them ([`UnitReader::runs`]).
-    #[inline(always)]
-    pub fn read_deferred(&mut self, rec: &[u8], out: &mut DecodedHalf) -> Result<()> {
-        self.defer = self.layout.body == Body::Trellis;
-        let read = self.read(rec, out);
-        self.defer = false;
-        out.trellis_deferred = read.is_ok() && self.layout.body == Body::Trellis;
-        read
-    }
-
     /// One side's units: keys channel-major (`[c * G + t]`), values token-major (`[t * D + c]`).
     #[inline(always)]
     fn read_side(&mut self, rec: &[u8], is_v: bool, out: &mut [f32]) {
@@ -249,9 +196,32 @@ impl UnitReader {
         let bits = l.bits(is_v);
         let payload = l.payload(rec, is_v);
         if l.body == Body::Trellis {
-            // Channel-major runs; both sides stay channel-major (`v_by_channel`).
-            self.runs(rec, is_v, 0, &mut out[..d * g]);
-            return;
+            // Channel-major runs of `g` codes; each code's value is its window's codebook entry.
+            // Both sides stay channel-major (`v_by_channel`): no transpose.
+            let cb = &self.codebooks[is_v as usize];
+            let start = if is_v { l.v_payload } else { l.k_payload };
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::avx512() && g.is_multiple_of(32) && (bits == 2 || bits == 3) {
+                let cb16 = super::trellis::codebook(bits, is_v);
+                let out = &mut out[..d * g];
+                // SAFETY: the CPU reported AVX-512 F/BW/VL/DQ; the kernel reads 8 bytes at a
+                // time only where they end inside `rec`, writes `d * g` values, and the
+                // codebook has `1 << (6 + bits)` entries (256 or 512), indexed by windows of
+                // `6 + bits` bits.
+                unsafe {
+                    match (crate::simd::avx512_vbmi(), bits) {
+                        (true, 2) => trellis_side_vbmi::<4>(rec, start, bits, g, cb16, out),
+                        (true, _) => trellis_side_vbmi::<8>(rec, start, bits, g, cb16, out),
+                        (false, 2) => trellis_side_avx512::<4>(rec, start, bits, g, cb16, out),
+                        (false, _) => trellis_side_avx512::<8>(rec, start, bits, g, cb16, out),
+                    }
+                }
+                return;
+            }
+            for c in 0..d {
+                let run = &mut out[c * g..(c + 1) * g];
+                trellis_run(rec, start, payload.len(), bits, c, cb, run);
+            }
         } else {
             // Token-major stream: unpack linearly, then place (a transpose for keys).
             let codes = &mut self.scratch[..d * g];
@@ -304,7 +274,6 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
     bits: u32,
     g: usize,
     cb16: &[u16],
-    first_run: usize,
     out: &mut [f32],
 ) {
     use super::trellis::HISTORY_BITS;
@@ -346,7 +315,7 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
         );
         _mm512_and_si512(idx, mask)
     };
-    trellis_runs::<PAIRS>(g, bits, cb16, first_run, out, |run_bit, t0| {
+    trellis_runs::<PAIRS>(g, bits, cb16, out, |run_bit, t0| {
         _mm512_inserti64x4::<1>(
             _mm512_castsi256_si512(_mm512_cvtepi32_epi16(windows16(run_bit, t0))),
             _mm512_cvtepi32_epi16(windows16(run_bit, t0 + 16)),
@@ -367,7 +336,6 @@ unsafe fn trellis_side_vbmi<const PAIRS: usize>(
     bits: u32,
     g: usize,
     cb16: &[u16],
-    first_run: usize,
     out: &mut [f32],
 ) {
     use super::trellis::HISTORY_BITS;
@@ -392,7 +360,7 @@ unsafe fn trellis_side_vbmi<const PAIRS: usize>(
             _mm_loadu_si128(tail.as_ptr() as *const __m128i)
         }
     };
-    trellis_runs::<PAIRS>(g, bits, cb16, first_run, out, |run_bit, t0| {
+    trellis_runs::<PAIRS>(g, bits, cb16, out, |run_bit, t0| {
         let first = start + (run_bit + t0 * b) / 8;
         let src = if t0 == 0 {
             _mm_bslli_si128::<1>(bytes16(first))
@@ -404,9 +372,8 @@ unsafe fn trellis_side_vbmi<const PAIRS: usize>(
     });
 }
 
-/// The shared step of both trellis readers: for each run `c` from `first_run` on (`g` codes
-/// at stream bit `c * g * bits`, written to `out[(c - first_run) * g..]`) and each 32-code
-/// step `t0`, `windows32(run_bit, t0)` gives the 32 windows
+/// The shared step of both trellis readers: for each run (`g` codes at stream bit
+/// `c * g * bits`) and each 32-code step `t0`, `windows32(run_bit, t0)` gives the 32 windows
 /// as 16-bit lanes; they are looked up in the fp16 codebook held in registers and stored as
 /// f32. Inlined into each reader, so it runs on that reader's instruction set.
 #[cfg(target_arch = "x86_64")]
@@ -415,7 +382,6 @@ unsafe fn trellis_runs<const PAIRS: usize>(
     g: usize,
     bits: u32,
     cb16: &[u16],
-    first_run: usize,
     out: &mut [f32],
     windows32: impl Fn(usize, usize) -> std::arch::x86_64::__m512i,
 ) {
@@ -427,7 +393,7 @@ unsafe fn trellis_runs<const PAIRS: usize>(
     let odd: [__m512i; PAIRS] = std::array::from_fn(|k| table(2 * k + 1));
     let select: [__m512i; 3] = std::array::from_fn(|l| _mm512_set1_epi16(64 << l));
     for (c, run) in out.chunks_exact_mut(g).enumerate() {
-        let run_bit = (first_run + c) * g * bits as usize;
+        let run_bit = c * g * bits as usize;
         for t0 in (0..g).step_by(32) {
             let idx = windows32(run_bit, t0);
             let mut level: [__m512i; PAIRS] =
@@ -489,34 +455,6 @@ mod tests {
 
     fn scalar_4bit(body: Body, bits: u32) -> bool {
         body == Body::Scalar && bits == 4
-    }
-
-    /// Trellis runs decoded a few channels at a time (what attention does) equal the same
-    /// channels of the whole side, and a deferred read leaves the sides to the caller.
-    #[test]
-    fn trellis_runs_in_pieces_equal_the_whole_side() {
-        let mut rng = SplitMix64::new(12);
-        for d in [64usize, 256] {
-            for (k, v) in [(3, 2), (2, 2), (3, 3)] {
-                let layout = RecordLayout::new(d, 128, k, v, Body::Trellis).unwrap();
-                let rec: Vec<u8> = (0..layout.bytes).map(|_| rng.next_u64() as u8).collect();
-                let mut reader = UnitReader::new(layout);
-                let mut whole = DecodedHalf::empty();
-                reader.read(&rec, &mut whole).unwrap();
-                assert!(!whole.trellis_deferred);
-                let mut deferred = DecodedHalf::empty();
-                reader.read_deferred(&rec, &mut deferred).unwrap();
-                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert!(deferred.trellis_deferred && bits(&deferred.a_k) == bits(&whole.a_k));
-                for (is_v, units) in [(false, &whole.k_units), (true, &whole.v_units)] {
-                    for (first, count) in [(0, 32), (32, 5), (d - 7, 7)] {
-                        let mut out = vec![0.0f32; count * 128];
-                        reader.runs(&rec, is_v, first, &mut out);
-                        assert_eq!(out[..], units[first * 128..(first + count) * 128]);
-                    }
-                }
-            }
-        }
     }
 
     #[test]
@@ -623,18 +561,18 @@ mod tests {
                         // sizes as `read_side` uses.
                         unsafe {
                             match (reader, bits) {
-                                ("vbmi", 2) => trellis_side_vbmi::<4>(
-                                    &rec, start, bits, 128, cb16, 0, &mut got,
-                                ),
-                                ("vbmi", _) => trellis_side_vbmi::<8>(
-                                    &rec, start, bits, 128, cb16, 0, &mut got,
-                                ),
-                                (_, 2) => trellis_side_avx512::<4>(
-                                    &rec, start, bits, 128, cb16, 0, &mut got,
-                                ),
-                                _ => trellis_side_avx512::<8>(
-                                    &rec, start, bits, 128, cb16, 0, &mut got,
-                                ),
+                                ("vbmi", 2) => {
+                                    trellis_side_vbmi::<4>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                ("vbmi", _) => {
+                                    trellis_side_vbmi::<8>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                (_, 2) => {
+                                    trellis_side_avx512::<4>(&rec, start, bits, 128, cb16, &mut got)
+                                }
+                                _ => {
+                                    trellis_side_avx512::<8>(&rec, start, bits, 128, cb16, &mut got)
+                                }
                             }
                         }
                         let same = want
