@@ -24,7 +24,7 @@ def test_pareto_frontier_keeps_only_unbeaten_points() -> None:
     assert evaluation.pareto_frontier(points) == ["f", "a", "c", "e"]
 
 
-def _crowded_report() -> dict:
+def _crowded_report(extra: list[tuple[str, float, float]] | None = None) -> dict:
     # Fourteen arms, several within a few hundredths of a bit and a few percent of KL of
     # each other: the layout a real seed-scale run gives.
     arms = {}
@@ -43,7 +43,7 @@ def _crowded_report() -> dict:
         ("turbo4/turbo4", 4.12, 6.9e-2),
         ("turbo3/turbo3", 3.12, 2.1e-1),
         ("tq6_0/tq6_0", 6.12, 4.4e-3),
-    ]
+    ] + (extra or [])
     for name, bits, kl in specs:
         arms[name] = {
             "bits_per_value": bits,
@@ -57,13 +57,23 @@ def _crowded_report() -> dict:
     }
 
 
-def test_labels_do_not_overlap_each_other_or_markers(tmp_path: Path) -> None:
+# Three arms at one allocation with close KL (SmolLM2's journals with f16 staging, 1,152
+# tokens: their rings are allocated in full), on top of the crowd.
+STACKED = [
+    ("KVarN 4/4 tail 64", 17.26, 4.15e-3),
+    ("SJ-KVaRN 4/4 f16 ring", 17.26, 4.81e-3),
+    ("KVarN 4/4 tail 0 (f16)", 17.0, 4.48e-3),
+]
+
+
+@pytest.mark.parametrize("extra", [None, STACKED])
+def test_labels_do_not_overlap_each_other_or_markers(tmp_path: Path, extra: list | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    report = _crowded_report()
+    report = _crowded_report(extra)
     points = {n: (a["allocated_bits"], a["mean"]) for n, a in report["arms"].items()}
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for x, y in points.values():

@@ -481,7 +481,7 @@ def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
 # Label offsets (points) tried in order, nearest first; `ha` follows the horizontal direction.
 _LABEL_OFFSETS = [
     (dx * r, dy * r)
-    for r in (1, 2, 3, 4)
+    for r in (1, 2, 3, 4, 5, 6, 8)
     for dx, dy in ((5, 4), (5, -11), (-5, 4), (-5, -11), (0, 10), (0, -16), (9, -3), (-9, -3))
 ]
 
@@ -496,7 +496,7 @@ def place_labels(
     """Annotates each point with its name where the label stays inside the axes and overlaps
     no other label, no marker, no error bar (``spans``: each point's low and high value) and
     no legend: offsets are tried nearest first; a label set further out than the nearest ring
-    gets a leader line, and one that fits nowhere goes to the last offset. Labels take their
+    gets a leader line, and one that fits nowhere goes where it covers the least. Labels take their
     point's colour (``colors``). Call after the axes' limits and layout are final. Returns the
     label boxes in display coordinates."""
     fig = ax.figure
@@ -516,24 +516,26 @@ def place_labels(
     near = len(_LABEL_OFFSETS) // 4  # offsets of the nearest ring
     for name, (x, y) in sorted(points.items(), key=lambda kv: (kv[1][0], kv[1][1])):
         color = (colors or {}).get(name, "black")
-        chosen = None
+        chosen, least = None, (float("inf"), 0)
         for i in range(len(_LABEL_OFFSETS)):
             text = _annotate(ax, name, (x, y), i, color, fontsize, lead=i >= near)
             box = text.get_window_extent(renderer)
+            text.remove()
             fits = (
                 box.x0 >= inside.x0
                 and box.x1 <= inside.x1
                 and box.y0 >= inside.y0
                 and box.y1 <= inside.y1
             )
-            if fits and not any(box.overlaps(t) for t in taken):
-                chosen = box
+            clash = sum(_overlap(box, t) for t in taken) + (0 if fits else 1e9)
+            if clash == 0:
+                chosen = i
                 break
-            text.remove()
-        if chosen is None:
-            last = len(_LABEL_OFFSETS) - 1
-            text = _annotate(ax, name, (x, y), last, color, fontsize, lead=True)
-            chosen = text.get_window_extent(renderer)
+            least = min(least, (clash, i))
+        # Where every offset collides, the one that covers the least.
+        i = least[1] if chosen is None else chosen
+        text = _annotate(ax, name, (x, y), i, color, fontsize, lead=i >= near)
+        chosen = text.get_window_extent(renderer)
         taken.append(chosen)
         boxes.append(chosen)
     return boxes
@@ -556,6 +558,13 @@ def _annotate(
         va="bottom",
         arrowprops=line if lead else None,
     )
+
+
+def _overlap(a: Any, b: Any) -> float:
+    """Area shared by two boxes (display pixels)."""
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return max(w, 0.0) * max(h, 0.0)
 
 
 def _box(x0: float, y0: float, x1: float, y1: float) -> Any:
