@@ -73,6 +73,13 @@ pub struct DecodedHalf {
     /// straight from the record, at this byte range of it, and `k_units` / `v_units` are unused.
     pub k_fragments: Option<std::ops::Range<usize>>,
     pub v_fragments: Option<std::ops::Range<usize>>,
+    /// Trellis sides held as their codebook values in 16-bit fixed point, `[R][G]`
+    /// channel-major: unit `u[c][t] = words[c * G + t] * step`, with `word_steps = Some([K step,
+    /// V step])`; `k_units` / `v_units` are then unused. Attention sums them with integer dot
+    /// products (`cache::word_dots`).
+    pub k_words: Vec<i16>,
+    pub v_words: Vec<i16>,
+    pub word_steps: Option<[f32; 2]>,
 }
 
 impl DecodedHalf {
@@ -90,6 +97,9 @@ impl DecodedHalf {
             v_by_channel: false,
             k_fragments: None,
             v_fragments: None,
+            k_words: Vec::new(),
+            v_words: Vec::new(),
+            word_steps: None,
         }
     }
 }

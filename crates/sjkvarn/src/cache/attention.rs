@@ -17,6 +17,7 @@ use super::online_softmax::{merge_states, Softmax};
 use super::ring_scores::{key_scores, value_sums, FixedQueries, RingKernel};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
+use super::word_dots::{word_products, WordKernel, WordScratch, WordSum};
 use super::Staging;
 use super::{CacheError, CacheResult};
 use crate::body::{DecodedHalf, GROUP};
@@ -288,6 +289,8 @@ struct Queries<'a> {
     fragments: FragmentKernel,
     /// The integer kernel of `tq6_0` ring keys (every one gives the same bits).
     ring: RingKernel,
+    /// The integer kernel of trellis sides (every one gives the same bits).
+    words: WordKernel,
 }
 
 impl Queries<'_> {
@@ -340,6 +343,7 @@ struct Scratch {
     halves: Vec<DecodedHalf>,
     fragments: FragmentScratch,
     ring_queries: FixedQueries,
+    words: WordScratch,
 }
 
 impl Scratch {
@@ -355,6 +359,7 @@ impl Scratch {
             halves: Vec::new(),
             fragments: FragmentScratch::default(),
             ring_queries: FixedQueries::default(),
+            words: WordScratch::default(),
         }
     }
 }
@@ -484,7 +489,23 @@ fn fold_record(
             offset[slot] = dot(q, &hd.z_k);
         }
         let (a, out) = (&sc.a_rows, &mut sc.part_k);
-        if let Some(range) = &hd.k_fragments {
+        if let Some([step, _]) = hd.word_steps {
+            let (words, ws) = (&hd.k_words, &mut sc.words);
+            word_products(
+                ctx.words,
+                WordSum::Keys,
+                np,
+                a,
+                r,
+                words,
+                r,
+                step,
+                ws,
+                out,
+                GROUP,
+                ahead,
+            );
+        } else if let Some(range) = &hd.k_fragments {
             // Columns: token tiles (a row of channel tiles apart); rows: channel tiles.
             let grid = TileGrid {
                 cols: GROUP / TILE,
@@ -547,7 +568,9 @@ fn fold_record(
     for (half, hd) in sc.halves.iter().enumerate() {
         // Rows w_t a_V[t] (0 past the pair's visible positions), offsets sum_t w_t z_V[t].
         // Channel-major units are scored as dot products over tokens, in 16-token steps.
-        let inner = if hd.v_by_channel || hd.v_fragments.is_some() {
+        let inner = if hd.word_steps.is_some() {
+            GROUP
+        } else if hd.v_by_channel || hd.v_fragments.is_some() {
             most.next_multiple_of(TILE)
         } else {
             most
@@ -563,7 +586,23 @@ fn fold_record(
             wa[seen..].fill(0.0);
             offset[slot] = dot(w, &hd.z_v[..seen]);
         }
-        if hd.v_by_channel {
+        if let Some([_, step]) = hd.word_steps {
+            let (a, words, out, ws) = (&sc.a_rows, &hd.v_words, &mut sc.part_v, &mut sc.words);
+            word_products(
+                ctx.words,
+                WordSum::Values,
+                np,
+                a,
+                GROUP,
+                words,
+                r,
+                step,
+                ws,
+                out,
+                r,
+                ahead,
+            );
+        } else if hd.v_by_channel {
             let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
             dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
         } else if let Some(range) = &hd.v_fragments {
@@ -692,6 +731,7 @@ fn attend_at(
         level,
         fragments: FragmentKernel::for_level(level),
         ring: RingKernel::for_level(level),
+        words: WordKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =

@@ -37,16 +37,22 @@ const TILE_BYTES: usize = TILE * TILE / 2;
 /// largest `e` with `m 2^-e <= FIXED_LIMIT`. `(NaN, 0)` for a non-finite operand (the sums
 /// come out NaN, as float arithmetic would give), `(0, 0)` below [`FIXED_FLOOR`].
 fn fixed_scale(m: f32, finite: bool) -> (f32, f32) {
+    fixed_scale_within(m, finite, FIXED_LIMIT)
+}
+
+/// [`fixed_scale`] for a largest `|n|` of `limit` (at least 2).
+pub(crate) fn fixed_scale_within(m: f32, finite: bool, limit: f32) -> (f32, f32) {
     if !finite || !m.is_finite() {
         return (f32::NAN, 0.0);
     }
     if m < FIXED_FLOOR {
         return (0.0, 0.0);
     }
-    // m = 1.f 2^E; e = E - 14 puts m 2^-e in [2^14, 2^15); one more if above the limit.
+    // m = 1.f 2^E; e = E - L (2^L <= limit < 2^(L+1)) puts m 2^-e in [2^L, 2^(L+1)); one
+    // more if above the limit.
     let exp = ((m.to_bits() >> 23) & 0xff) as i32 - 127;
-    let mut e = exp - 14;
-    if m * pow2(-e) > FIXED_LIMIT {
+    let mut e = exp - (limit as u32).ilog2() as i32;
+    if m * pow2(-e) > limit {
         e += 1;
     }
     (pow2(e), pow2(-e))

@@ -22,6 +22,7 @@ pub mod sequence;
 pub mod snapshot;
 pub mod staging;
 mod tile_gemm;
+mod word_dots;
 
 pub use config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
 pub use pool::RecordPool;

@@ -40,6 +40,31 @@ pub fn codebook_f32(bits: u32, is_v: bool) -> Vec<f32> {
         .collect()
 }
 
+/// Largest magnitude of a codebook word ([`codebook_words`]): a word times any `i16` operand
+/// stays at or below `2^28`, so eight such products fit an `i32`.
+pub const WORD_LIMIT: i32 = 1 << 13;
+
+/// The codebook of a side in 16-bit fixed point, for integer dot products: `(words, step)`
+/// with `words[w] = round_ties_even(C[w] / step)`, `step` the smallest power of two that keeps
+/// every `|words[w]| <= WORD_LIMIT`. fp16 entries of magnitude `>= 2^11 step` are exact; smaller
+/// ones are off by at most `step / 2` (about `1e-4` of the largest entry).
+pub fn codebook_words(bits: u32, is_v: bool) -> (Vec<i16>, f32) {
+    let values = codebook_f32(bits, is_v);
+    let largest = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut step = 1.0f32;
+    while largest / step > WORD_LIMIT as f32 {
+        step *= 2.0;
+    }
+    while largest / (step / 2.0) <= WORD_LIMIT as f32 {
+        step /= 2.0;
+    }
+    let words = values
+        .iter()
+        .map(|&v| (v / step).round_ties_even() as i16)
+        .collect();
+    (words, step)
+}
+
 /// Window (codebook index) of code `i` of run `run` in a channel-major payload of runs of
 /// `run_len` codes.
 #[inline(always)]
@@ -123,6 +148,24 @@ impl Viterbi {
 mod tests {
     use super::*;
     use crate::codec::layout::pack;
+
+    #[test]
+    fn codebook_words_use_the_full_range_and_round_each_entry() {
+        for bits in [2u32, 3] {
+            for is_v in [false, true] {
+                let (words, step) = codebook_words(bits, is_v);
+                let values = codebook_f32(bits, is_v);
+                let top = words.iter().map(|w| (*w as i32).abs()).max().unwrap();
+                assert!(
+                    top <= WORD_LIMIT && top > WORD_LIMIT / 2,
+                    "{bits} {is_v}: {top}"
+                );
+                for (&w, &v) in words.iter().zip(&values) {
+                    assert!((w as f32 * step - v).abs() <= step / 2.0, "{bits} {is_v}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn window_reads_the_code_over_its_history() {
