@@ -591,7 +591,7 @@ fn stored_rows(x: &[f32]) -> Vec<f32> {
 /// Attention over sealed records equals attention over the rows those records decode to (f64
 /// reference), for scalar and trellis bodies: reading the records in place costs at most 3e-4
 /// of the output's size (4-bit sides, whose operands are rounded to 16-bit fixed point for
-/// exact integer sums: about 1e-4 here; trellis words, the same with a two-part value operand:
+/// exact integer sums: about 1e-4 here; trellis words, keys the same way and values in f32:
 /// about 1.3-1.8e-4; float units: about 1e-6).
 #[test]
 fn sealed_records_attend_as_their_decoded_rows() {

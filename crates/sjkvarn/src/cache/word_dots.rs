@@ -4,22 +4,21 @@
 //! A trellis side is read once per record into 16-bit words, each code's codebook entry in
 //! fixed point (`u ~ word * step`, `codec::trellis::codebook_words`). The float operand of a
 //! sum (the rotated query times the key scales, or the softmax weights times the value steps)
-//! is rounded once per record and query pair to 16-bit fixed point, `x ~ n 2^e` with
-//! `|n| <= 32767`; words are at most `2^13`, so a product stays within `2^28` and eight of them
-//! fit an `i32` lane exactly. Softmax weights are peaky, so the value operand also keeps its
-//! rounding residue as a second 16-bit part, `x ~ (n + m 2^-15) 2^e` (a relative error near
-//! `2^-31` instead of `2^-16`); the query operand's one part costs about 1e-4 of the output.
-//! The sums are defined lane by lane, and every instruction set gives the same bits:
+//! of the keys' sum (the rotated query times the key scales) is rounded once per record and
+//! query pair to 16-bit fixed point, `x ~ n 2^e` with `|n| <= 32767`; words are at most `2^13`,
+//! so a product stays within `2^28` and eight of them fit an `i32` lane exactly. The value sum
+//! (softmax weights times the value steps, which are peaky: one 16-bit part cost 4.6e-4 of the
+//! attention output) stays in f32, each word converted exactly. The sums are defined lane by
+//! lane, and every instruction set gives the same bits:
 //!
 //! * keys, `out[t] = sum_c x[c] u[c][t]`: the integer sums of [`KEY_BLOCK`] consecutive
 //!   channels, converted to f32 and added in ascending channel order;
-//! * values, `out[c] = sum_t x[t] u[c][t]`: lane `j` sums the integer products of tokens
-//!   `t` with `(t mod 32) / 2 == j` (eight products over a 128-token group), for both parts;
-//!   each lane as f32 is `hi + lo 2^-15`, and the 16 lanes are reduced pairwise
-//!   ([`pairwise`]).
+//! * values, `out[c] = sum_t x[t] u[c][t]`: lane `j` accumulates tokens `t = j (mod 16)` in
+//!   ascending order with fused multiply-adds (`f32::mul_add`), the 16 lanes are then reduced
+//!   pairwise ([`pairwise`]) and scaled by the step (a power of two: exact).
 //!
-//! AVX-512 VNNI runs both with `vpdpwssd` (32 words per instruction); the portable loops
-//! (auto-vectorised on other levels) define the bits.
+//! AVX-512 runs the keys with VNNI `vpdpwssd` (32 words per instruction) and the values with
+//! `vfmadd`; the portable loops (auto-vectorised on other levels) define the bits.
 
 use super::fragment_dots::fixed_scale_within;
 use super::online_softmax::pairwise;
@@ -34,13 +33,10 @@ const OPERAND_LIMIT: f32 = i16::MAX as f32;
 // Eight products of an operand and a word fit an i32 lane: the sums below are exact.
 const _: () = assert!(8 * (i16::MAX as i64) * (WORD_LIMIT as i64) <= i32::MAX as i64);
 
-/// Weight of a value operand's second part: `2^-15`.
-const RESIDUE: f32 = 1.0 / 32768.0;
-
 /// Channels whose key products one `i32` lane sums exactly before they join the f32 total.
 const KEY_BLOCK: usize = 8;
 
-/// Lanes of a value sum (tokens `2j, 2j + 1` of every 32).
+/// Lanes of a value sum (tokens `t = j mod 16`).
 const VALUE_LANES: usize = 16;
 
 /// Which implementation of the integer sums runs (all give the same bits).
@@ -75,16 +71,13 @@ impl WordKernel {
 #[derive(Default)]
 pub(crate) struct WordScratch {
     n: Vec<i16>,
-    residue: Vec<i16>,
     lanes: Vec<f32>,
 }
 
 /// Rounds `x` to fixed point: `n[i] = round_ties_even(x[i] 2^-e)`, returns `2^e` (NaN for a
-/// non-finite row, so its sums come out NaN; 0 for a row of zeros). With `residue`, also
-/// `residue[i] = round_ties_even((x[i] 2^-e - n[i]) 2^15)` (`|residue| <= 2^14`; the
-/// difference is exact in f32).
+/// non-finite row, so its sums come out NaN; 0 for a row of zeros).
 #[inline(always)]
-fn to_words(x: &[f32], n: &mut [i16], residue: Option<&mut [i16]>) -> f32 {
+fn to_words(x: &[f32], n: &mut [i16]) -> f32 {
     // The largest magnitude as bits (an integer max, which vectorises): at or above the
     // infinity pattern, some entry is not finite.
     let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
@@ -93,9 +86,6 @@ fn to_words(x: &[f32], n: &mut [i16], residue: Option<&mut [i16]>) -> f32 {
     let (scale, inv) = fixed_scale_within(m, finite, OPERAND_LIMIT);
     if scale.is_nan() || scale == 0.0 {
         n.fill(0);
-        if let Some(residue) = residue {
-            residue.fill(0);
-        }
         return scale;
     }
     // Integral and finite with |v 2^-e| <= OPERAND_LIMIT (the scale's definition), so the
@@ -108,12 +98,6 @@ fn to_words(x: &[f32], n: &mut [i16], residue: Option<&mut [i16]>) -> f32 {
     };
     for (o, &v) in n.iter_mut().zip(x) {
         *o = whole(v * inv);
-    }
-    if let Some(residue) = residue {
-        for ((o, &v), &hi) in residue.iter_mut().zip(x).zip(n.iter()) {
-            // The residue is within 1/2, times 2^15: within 2^14.
-            *o = whole((v * inv - hi as f32) * 32768.0);
-        }
     }
     scale
 }
@@ -166,16 +150,15 @@ pub(crate) fn word_products(
                 && out.len() >= (operands - 1) * out_stride + cols),
         "word operands"
     );
-    let mut factor = [0.0f32; MAX_ROWS];
-    sc.n.resize(operands * len, 0);
-    sc.residue.resize(operands * len, 0);
-    for s in 0..operands {
-        let row = &x[s * x_stride..s * x_stride + len];
-        let n = &mut sc.n[s * len..(s + 1) * len];
-        let residue = (sum == WordSum::Values).then(|| &mut sc.residue[s * len..(s + 1) * len]);
-        factor[s] = to_words(row, n, residue) * step;
+    let mut factor = [step; MAX_ROWS];
+    if sum == WordSum::Keys {
+        sc.n.resize(operands * len, 0);
+        for s in 0..operands {
+            let row = &x[s * x_stride..s * x_stride + len];
+            factor[s] = to_words(row, &mut sc.n[s * len..(s + 1) * len]) * step;
+        }
     }
-    let (n, residue) = (&sc.n[..], &sc.residue[..]);
+    let n = &sc.n[..];
     match (kernel, sum) {
         #[cfg(target_arch = "x86_64")]
         (WordKernel::Vnni, WordSum::Keys) => {
@@ -209,28 +192,31 @@ pub(crate) fn word_products(
             sc.lanes.resize(MAX_ROWS * VALUE_LANES * VALUE_LANES, 0.0);
             let lanes = &mut sc.lanes[..];
             macro_rules! call {
-                ($m:literal) => {
+                ($m:literal, $ch:literal) => {
                     // SAFETY: as above; `lanes` holds 16 vectors of 16 per row.
                     unsafe {
-                        vnni::value_sums::<$m>(n, residue, r, words, lanes, out, out_stride, ahead)
+                        vnni::value_sums::<$m, $ch>(
+                            x, x_stride, r, words, lanes, out, out_stride, ahead,
+                        )
                     }
                 };
             }
             match operands {
                 0 => {}
-                1 => call!(1),
-                2 => call!(2),
-                3 => call!(3),
-                4 => call!(4),
-                5 => call!(5),
-                6 => call!(6),
-                7 => call!(7),
-                _ => call!(8),
+                // Accumulators in registers: M * CH of them.
+                1 => call!(1, 4),
+                2 => call!(2, 4),
+                3 => call!(3, 4),
+                4 => call!(4, 4),
+                5 => call!(5, 4),
+                6 => call!(6, 4),
+                7 => call!(7, 2),
+                _ => call!(8, 2),
             }
         }
         (_, WordSum::Keys) => key_sums_portable(operands, n, r, words, out, out_stride, ahead),
         (_, WordSum::Values) => {
-            value_sums_portable(operands, n, residue, r, words, out, out_stride, ahead)
+            value_sums_portable(operands, x, x_stride, r, words, out, out_stride, ahead)
         }
     }
     for s in 0..operands {
@@ -272,14 +258,14 @@ fn key_sums_portable(
     }
 }
 
-/// Value sums, the portable way: per row and channel, 16 exact `i32` lanes per part (lane `j`:
-/// tokens `32k + 2j` and `32k + 2j + 1`), each lane `hi + lo 2^-15` in f32, reduced pairwise.
+/// Value sums, the portable way: per row and channel, 16 f32 lanes (lane `j`: tokens
+/// `t = j mod 16`, ascending, one fused multiply-add each), reduced pairwise.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn value_sums_portable(
     operands: usize,
-    n: &[i16],
-    residue: &[i16],
+    x: &[f32],
+    x_stride: usize,
     r: usize,
     words: &[i16],
     out: &mut [f32],
@@ -288,31 +274,30 @@ fn value_sums_portable(
 ) {
     let g = GROUP;
     for s in 0..operands {
-        let (x, y) = (&n[s * g..(s + 1) * g], &residue[s * g..(s + 1) * g]);
+        let x = &x[s * x_stride..s * x_stride + g];
         for c in 0..r {
             ahead.step();
             let u = &words[c * g..(c + 1) * g];
-            let (mut hi, mut lo) = ([0i32; VALUE_LANES], [0i32; VALUE_LANES]);
-            for k in 0..g / (2 * VALUE_LANES) {
+            let mut lanes = [0.0f32; VALUE_LANES];
+            for (xs, us) in x.chunks_exact(VALUE_LANES).zip(u.chunks_exact(VALUE_LANES)) {
                 for j in 0..VALUE_LANES {
-                    let t = 2 * VALUE_LANES * k + 2 * j;
-                    let (u0, u1) = (u[t] as i32, u[t + 1] as i32);
-                    hi[j] += x[t] as i32 * u0 + x[t + 1] as i32 * u1;
-                    lo[j] += y[t] as i32 * u0 + y[t + 1] as i32 * u1;
+                    lanes[j] = xs[j].mul_add(us[j] as f32, lanes[j]);
                 }
             }
-            let mut f: [f32; VALUE_LANES] =
-                std::array::from_fn(|j| hi[j] as f32 + lo[j] as f32 * RESIDUE);
-            out[s * out_stride + c] = pairwise(&mut f);
+            out[s * out_stride + c] = pairwise(&mut lanes);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    //! AVX-512 VNNI: `vpdpwssd` on the words as they lie, 32 per instruction.
+    //! AVX-512: keys by VNNI `vpdpwssd` on the words as they lie (32 per instruction), values by
+    //! `vfmadd` on the words widened to f32.
 
-    use super::{Ahead, GROUP, KEY_BLOCK, RESIDUE, VALUE_LANES};
+    // Rows index several accumulator arrays in step; index loops say that more plainly.
+    #![allow(clippy::needless_range_loop)]
+
+    use super::{Ahead, GROUP, KEY_BLOCK, VALUE_LANES};
     use std::arch::x86_64::*;
 
     /// Key sums of `M` rows: per 32 tokens, channels `c, c + 1` interleaved word by word
@@ -375,16 +360,17 @@ mod vnni {
         }
     }
 
-    /// Value sums of `M` rows: per channel, `vpdpwssd` of its 32-word steps against the row's
-    /// (a lane sums tokens `2j, 2j + 1` of each step), the lanes as f32 kept in `lanes`; per 16
-    /// channels, the 16 vectors of a row reduced pairwise together: halves, quarters, pairs,
-    /// singles, each level one shuffle pair and one add per two vectors. Lane `4k + j` of the
-    /// result is channel `k + 4j`; a permute restores channel order.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    /// Value sums of `M` rows: per channel, its words 16 at a time widened to f32 (exact) and
+    /// multiplied into the row's weights with `vfmadd` (lane `j` takes tokens `j mod 16`, in
+    /// ascending order), the lanes kept in `lanes`; per 16 channels, the 16 vectors of a row
+    /// reduced pairwise together: halves, quarters, pairs, singles, each level one shuffle pair
+    /// and one add per two vectors. Lane `4k + j` of the result is channel `k + 4j`; a permute
+    /// restores channel order.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn value_sums<const M: usize>(
-        n: &[i16],
-        residue: &[i16],
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
+    pub(super) unsafe fn value_sums<const M: usize, const CH: usize>(
+        x: &[f32],
+        x_stride: usize,
         r: usize,
         words: &[i16],
         lanes: &mut [f32],
@@ -394,8 +380,7 @@ mod vnni {
     ) {
         let g = GROUP;
         assert!(
-            n.len() >= M * g
-                && residue.len() >= M * g
+            x.len() >= (M - 1) * x_stride + g
                 && words.len() >= r * g
                 && lanes.len() >= M * VALUE_LANES * VALUE_LANES
                 && out.len() >= (M - 1) * out_stride + r
@@ -404,29 +389,36 @@ mod vnni {
         let order: [i32; 16] = std::array::from_fn(|c| (4 * (c % 4) + c / 4) as i32);
         let order = _mm512_loadu_si512(order.as_ptr() as *const __m512i);
         for c0 in (0..r).step_by(VALUE_LANES) {
-            for ci in 0..VALUE_LANES {
-                let c = c0 + ci;
-                ahead.step();
-                let mut hi = [_mm512_setzero_si512(); M];
-                let mut lo = [_mm512_setzero_si512(); M];
-                for t0 in (0..g).step_by(32) {
-                    // SAFETY: row c holds g words, t0 + 32 <= g; rows s of n and residue
-                    // hold g entries.
-                    let u = _mm512_loadu_si512(words.as_ptr().add(c * g + t0) as *const __m512i);
+            // CH channels at a time share each load of the weights.
+            for ci0 in (0..VALUE_LANES).step_by(CH) {
+                for _ in 0..CH {
+                    ahead.step();
+                }
+                let mut acc = [[_mm512_setzero_ps(); M]; CH];
+                for t0 in (0..g).step_by(VALUE_LANES) {
+                    let u: [__m512; CH] = std::array::from_fn(|k| {
+                        let c = c0 + ci0 + k;
+                        // SAFETY: row c holds g words, t0 + 16 <= g.
+                        let w =
+                            _mm256_loadu_si256(words.as_ptr().add(c * g + t0) as *const __m256i);
+                        _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(w))
+                    });
                     for s in 0..M {
-                        let x = _mm512_loadu_si512(n.as_ptr().add(s * g + t0) as *const __m512i);
-                        let y =
-                            _mm512_loadu_si512(residue.as_ptr().add(s * g + t0) as *const __m512i);
-                        hi[s] = _mm512_dpwssd_epi32(hi[s], u, x);
-                        lo[s] = _mm512_dpwssd_epi32(lo[s], u, y);
+                        // SAFETY: row s of x holds g entries.
+                        let xs = _mm512_loadu_ps(x.as_ptr().add(s * x_stride + t0));
+                        for k in 0..CH {
+                            acc[k][s] = _mm512_fmadd_ps(xs, u[k], acc[k][s]);
+                        }
                     }
                 }
-                for s in 0..M {
-                    // SAFETY: vector ci of row s inside `lanes` (asserted). The product by
-                    // 2^-15 is exact, so this add rounds as the portable one does.
-                    let at = lanes.as_mut_ptr().add((s * VALUE_LANES + ci) * VALUE_LANES);
-                    let rest = _mm512_mul_ps(_mm512_cvtepi32_ps(lo[s]), _mm512_set1_ps(RESIDUE));
-                    _mm512_storeu_ps(at, _mm512_add_ps(_mm512_cvtepi32_ps(hi[s]), rest));
+                for (k, acc) in acc.iter().enumerate() {
+                    for s in 0..M {
+                        // SAFETY: vector ci0 + k of row s inside `lanes` (asserted).
+                        let at = lanes
+                            .as_mut_ptr()
+                            .add((s * VALUE_LANES + ci0 + k) * VALUE_LANES);
+                        _mm512_storeu_ps(at, acc[s]);
+                    }
                 }
             }
             for s in 0..M {
