@@ -284,7 +284,8 @@ fn value_sums_portable(
                     lanes[j] = xs[j].mul_add(us[j] as f32, lanes[j]);
                 }
             }
-            out[s * out_stride + c] = pairwise(&mut lanes);
+            // `+ 0.0` as the dot kernel's reduction ends (`tile_gemm::avx512::reduce16`).
+            out[s * out_stride + c] = pairwise(&mut lanes) + 0.0;
         }
     }
 }
@@ -298,6 +299,7 @@ mod vnni {
     #![allow(clippy::needless_range_loop)]
 
     use super::{Ahead, GROUP, KEY_BLOCK, VALUE_LANES};
+    use crate::cache::tile_gemm::avx512::reduce16;
     use std::arch::x86_64::*;
 
     /// Key sums of `M` rows: per 32 tokens, channels `c, c + 1` interleaved word by word
@@ -363,9 +365,7 @@ mod vnni {
     /// Value sums of `M` rows: per channel, its words 16 at a time widened to f32 (exact) and
     /// multiplied into the row's weights with `vfmadd` (lane `j` takes tokens `j mod 16`, in
     /// ascending order), the lanes kept in `lanes`; per 16 channels, the 16 vectors of a row
-    /// reduced pairwise together: halves, quarters, pairs, singles, each level one shuffle pair
-    /// and one add per two vectors. Lane `4k + j` of the result is channel `k + 4j`; a permute
-    /// restores channel order.
+    /// reduced pairwise together by the dot kernel's transposing tree (`reduce16`).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
     pub(super) unsafe fn value_sums<const M: usize, const CH: usize>(
@@ -386,8 +386,6 @@ mod vnni {
                 && out.len() >= (M - 1) * out_stride + r
                 && r.is_multiple_of(VALUE_LANES)
         );
-        let order: [i32; 16] = std::array::from_fn(|c| (4 * (c % 4) + c / 4) as i32);
-        let order = _mm512_loadu_si512(order.as_ptr() as *const __m512i);
         for c0 in (0..r).step_by(VALUE_LANES) {
             // CH channels at a time share each load of the weights.
             for ci0 in (0..VALUE_LANES).step_by(CH) {
@@ -422,42 +420,12 @@ mod vnni {
                 }
             }
             for s in 0..M {
-                // SAFETY: the row's 16 vectors written just above.
+                // SAFETY: the row's 16 vectors written just above; 16 sums at c0 of row s
+                // (asserted above).
                 let v: [__m512; VALUE_LANES] = std::array::from_fn(|ci| {
                     _mm512_loadu_ps(lanes.as_ptr().add((s * VALUE_LANES + ci) * VALUE_LANES))
                 });
-                // Halves: lanes i + 8 onto i, two channels per vector.
-                let x: [__m512; 8] = std::array::from_fn(|k| {
-                    let (a, b) = (v[2 * k], v[2 * k + 1]);
-                    _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0x44>(a, b),
-                        _mm512_shuffle_f32x4::<0xEE>(a, b),
-                    )
-                });
-                // Quarters: one channel per 128-bit block.
-                let y: [__m512; 4] = std::array::from_fn(|k| {
-                    let (a, b) = (x[2 * k], x[2 * k + 1]);
-                    _mm512_add_ps(
-                        _mm512_shuffle_f32x4::<0x88>(a, b),
-                        _mm512_shuffle_f32x4::<0xDD>(a, b),
-                    )
-                });
-                // Pairs: two channels per block.
-                let z: [__m512; 2] = std::array::from_fn(|k| {
-                    let (a, b) = (y[2 * k], y[2 * k + 1]);
-                    _mm512_add_ps(
-                        _mm512_shuffle_ps::<0x44>(a, b),
-                        _mm512_shuffle_ps::<0xEE>(a, b),
-                    )
-                });
-                // Singles: four channels per block.
-                let w = _mm512_add_ps(
-                    _mm512_shuffle_ps::<0x88>(z[0], z[1]),
-                    _mm512_shuffle_ps::<0xDD>(z[0], z[1]),
-                );
-                // SAFETY: 16 sums at c0 of row s (asserted above).
-                let o = out.as_mut_ptr().add(s * out_stride + c0);
-                _mm512_storeu_ps(o, _mm512_permutexvar_ps(order, w));
+                _mm512_storeu_ps(out.as_mut_ptr().add(s * out_stride + c0), reduce16(&v));
             }
         }
     }
