@@ -62,13 +62,11 @@ pub struct DecodedHalf {
     pub a_k: Vec<f32>,
     pub z_k: Vec<f32>,
     pub s_k: Vec<f32>,
-    /// `[G][R]`, token-major; `[R][G]`, channel-major, when `v_by_channel` is set.
+    /// `[G][R]`, token-major.
     pub v_units: Vec<f32>,
     pub a_v: Vec<f32>,
     pub z_v: Vec<f32>,
     pub s_v: Vec<f32>,
-    /// Value units stored channel-major (trellis runs, read without a transpose).
-    pub v_by_channel: bool,
     /// 4-bit scalar sides in fragment order are not unpacked: attention reads their codes
     /// straight from the record, at this byte range of it, and `k_units` / `v_units` are unused.
     pub k_fragments: Option<std::ops::Range<usize>>,
@@ -94,7 +92,6 @@ impl DecodedHalf {
             a_v: Vec::new(),
             z_v: Vec::new(),
             s_v: Vec::new(),
-            v_by_channel: false,
             k_fragments: None,
             v_fragments: None,
             k_words: Vec::new(),

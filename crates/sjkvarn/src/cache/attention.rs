@@ -567,10 +567,10 @@ fn fold_record(
     }
     for (half, hd) in sc.halves.iter().enumerate() {
         // Rows w_t a_V[t] (0 past the pair's visible positions), offsets sum_t w_t z_V[t].
-        // Channel-major units are scored as dot products over tokens, in 16-token steps.
+        // Trellis words take whole rows; fragment tiles, rows to a 16-token step.
         let inner = if hd.word_steps.is_some() {
             GROUP
-        } else if hd.v_by_channel || hd.v_fragments.is_some() {
+        } else if hd.v_fragments.is_some() {
             most.next_multiple_of(TILE)
         } else {
             most
@@ -602,9 +602,6 @@ fn fold_record(
                 r,
                 ahead,
             );
-        } else if hd.v_by_channel {
-            let (a, b, out) = (&sc.a_rows, &hd.v_units, &mut sc.part_v);
-            dots(ctx.level, np, a, GROUP, b, GROUP, inner, r, out, r);
         } else if let Some(range) = &hd.v_fragments {
             // Columns: channel tiles; rows: the token tiles up to the last visible token.
             let grid = TileGrid {

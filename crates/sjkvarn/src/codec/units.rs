@@ -178,7 +178,6 @@ impl UnitReader {
                 self.scalar_side(rec, true, &mut out.v_units);
             }
         }
-        out.v_by_channel = false;
         let (k_slot, v_slot, halves) = (&self.k_slot, &self.v_slot, &mut self.halves);
         scale_slots(rec, halves, &mut out.a_k, l.k_scale, k_slot);
         scale_slots(rec, halves, &mut out.z_k, l.k_zero, k_slot);
