@@ -1,11 +1,10 @@
-//! Trellis body sides summed from their codebook words with integer dot products: no float
-//! copy of the side, no int-to-float conversion per code.
+//! Trellis body sides summed from their codebook words: keys with integer dot products,
+//! values in f32 from the words widened exactly; no float copy of the side.
 //!
 //! A trellis side is read once per record into 16-bit words, each code's codebook entry in
-//! fixed point (`u ~ word * step`, `codec::trellis::codebook_words`). The float operand of a
-//! sum (the rotated query times the key scales, or the softmax weights times the value steps)
-//! of the keys' sum (the rotated query times the key scales) is rounded once per record and
-//! query pair to 16-bit fixed point, `x ~ n 2^e` with `|n| <= 32767`; words are at most `2^13`,
+//! fixed point (`u ~ word * step`, `codec::trellis::codebook_words`). The operand of the keys'
+//! sum (the rotated query times the key scales) is rounded once per record and query pair to
+//! 16-bit fixed point, `x ~ n 2^e` with `|n| <= 32767`; words are at most `2^13`,
 //! so a product stays within `2^28` and eight of them fit an `i32` lane exactly. The value sum
 //! (softmax weights times the value steps, which are peaky: one 16-bit part cost 4.6e-4 of the
 //! attention output) stays in f32, each word converted exactly. The sums are defined lane by
@@ -43,7 +42,7 @@ const VALUE_LANES: usize = 16;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WordKernel {
     Portable,
-    /// AVX-512 VNNI `vpdpwssd`.
+    /// AVX-512: VNNI `vpdpwssd` for keys, `vfmadd` for values.
     Vnni,
 }
 
