@@ -4,7 +4,7 @@
 //! side-by-side comparison with torch SDPA that the README quotes.
 //!
 //! Run: `cargo bench -p sjkvarn --bench attend_decode -- [--tokens 65536] [--geometry 24/4/256]
-//! [--body 4/4|3/2t] [--repeats 21]` (threads: `RAYON_NUM_THREADS`). The filled cache is kept
+//! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0]` (threads: `RAYON_NUM_THREADS`). The filled cache is kept
 //! as a snapshot under `target/` so a rerun skips the seal.
 
 use sjkvarn::body::{BodyCoding, TrellisAxis};
@@ -28,6 +28,9 @@ fn main() {
     let geometry = arg(&args, "--geometry", "24/4/256");
     let body = arg(&args, "--body", "4/4");
     let repeats: usize = arg(&args, "--repeats", "21").parse().expect("--repeats");
+    // Idle time between calls, as a model's other layers would leave: long enough for idle
+    // worker threads to go to sleep, so each call pays for waking them.
+    let gap_us: u64 = arg(&args, "--gap-us", "0").parse().expect("--gap-us");
     let g: Vec<usize> = geometry
         .split('/')
         .map(|x| x.parse().expect("geometry"))
@@ -78,6 +81,9 @@ fn main() {
     let _ = attend(&seq, 0, &q, None).expect("attend");
     let mut times: Vec<f64> = (0..repeats)
         .map(|_| {
+            if gap_us > 0 {
+                std::thread::sleep(std::time::Duration::from_micros(gap_us));
+            }
             let start = Instant::now();
             std::hint::black_box(attend(&seq, 0, &q, None).expect("attend"));
             start.elapsed().as_secs_f64() * 1e3

@@ -12,6 +12,7 @@
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
+use super::caller_joins::run_items;
 use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
 use super::ring_scores::{key_scores, value_sums, FixedQueries, RingKernel};
@@ -733,27 +734,17 @@ fn attend_at(
     let state_bytes = n * gs * d * 4;
     let per_head: Vec<CacheResult<Vec<Softmax>>> =
         if state_bytes * chunks * kvh <= PARALLEL_STATE_BYTES {
-            let items: Vec<(usize, usize)> = (0..kvh)
-                .flat_map(|h| (0..chunks).map(move |c| (h, c)))
-                .collect();
-            // About two pieces per thread: each piece builds its scratch and reader once
-            // (finer splits cost more in set-up than they balance on short calls).
-            let piece = items
-                .len()
-                .div_ceil(2 * rayon::current_num_threads())
-                .max(1);
-            let parts: Vec<CacheResult<Vec<Softmax>>> = items
-                .par_iter()
-                .with_min_len(piece)
-                .map_init(
-                    || (Scratch::new(d, r), codec.half_reader()),
-                    |(sc, reader), &(h, c)| {
-                        let mut states = vec![Softmax::new(d); n * gs];
-                        fold_chunk_at(level, &job, &ctx_of(h), c, &mut states, sc, reader)?;
-                        Ok(states)
-                    },
-                )
-                .collect();
+            // One item per (head, chunk), head-major; the caller works on them too.
+            let parts: Vec<CacheResult<Vec<Softmax>>> = run_items(
+                kvh * chunks,
+                || (Scratch::new(d, r), codec.half_reader()),
+                |(sc, reader), item| {
+                    let (h, c) = (item / chunks, item % chunks);
+                    let mut states = vec![Softmax::new(d); n * gs];
+                    fold_chunk_at(level, &job, &ctx_of(h), c, &mut states, sc, reader)?;
+                    Ok(states)
+                },
+            );
             let mut parts = parts.into_iter();
             (0..kvh)
                 .map(|_| {

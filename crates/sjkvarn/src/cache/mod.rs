@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod auto_staging;
+mod caller_joins;
 pub mod config;
 #[doc(hidden)]
 pub mod faults;
