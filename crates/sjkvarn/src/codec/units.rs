@@ -338,12 +338,15 @@ unsafe fn trellis_side_avx512<const PAIRS: usize>(
     });
 }
 
-/// [`trellis_side_avx512`] with VBMI: the 32 windows of a step from one 16-byte read, one byte
-/// permute (each window's two bytes into its 16-bit lane), one variable shift and a mask;
-/// looked up by byte permutes ([`trellis_runs_bytes`]).
-/// Runs start byte-aligned (`g * bits` is a multiple of 8, as are 32-code steps), so window
-/// `j` of a step starts `bits * j + 2` bits into the bytes from one before the step's first
-/// code (a zero byte before a run's first step: the run's zero history).
+/// [`trellis_side_avx512`] with VBMI, 64 codes a step: one 32-byte read, one byte permute
+/// that gives each 64-bit lane the stream bytes of its eight tokens, and one multishift
+/// (`vpmultishiftqb`) that cuts each token's window bits 0-7 out of its lane (a second one,
+/// one bit further, gives bit 8 of 9-bit windows); looked up by byte permutes
+/// ([`trellis_runs_bytes`]), in the token order that lookup wants.
+/// Runs start byte-aligned (`g * bits` is a multiple of 8, as are 8-code groups), so the window
+/// of token `T + j` (`T` a multiple of 8) starts `bits * j + 2` bits into the bytes from one
+/// before the stream byte of token `T` (a zero byte before a run's first step: the run's zero
+/// history).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")]
 unsafe fn trellis_side_vbmi<const PAIRS: usize>(
@@ -354,39 +357,62 @@ unsafe fn trellis_side_vbmi<const PAIRS: usize>(
     cb16: &[i16],
     out: &mut [i16],
 ) {
-    use super::trellis::HISTORY_BITS;
     use std::arch::x86_64::*;
     let b = bits as usize;
-    assert!((g * b).is_multiple_of(8) && (32 * b).is_multiple_of(8) && 32 * b + 16 <= 128);
-    let pick: [u8; 64] = std::array::from_fn(|i| ((b * (i / 2) + 2) / 8 + i % 2) as u8);
-    let shift: [u16; 32] = std::array::from_fn(|j| ((b * j + 2) % 8) as u16);
-    let pick = _mm512_loadu_si512(pick.as_ptr() as *const __m512i);
-    let shift = _mm512_loadu_si512(shift.as_ptr() as *const __m512i);
-    let mask = _mm512_set1_epi16((1 << (HISTORY_BITS + bits)) - 1);
-    // 16 bytes from `at` (zeros past the record's end).
-    let bytes16 = |at: usize| -> __m128i {
-        if at + 16 <= rec.len() {
-            // SAFETY: the 16 bytes end inside `rec` (checked just above).
-            _mm_loadu_si128(rec.as_ptr().add(at) as *const __m128i)
-        } else {
-            let mut tail = [0u8; 16];
-            for (t, &x) in tail.iter_mut().zip(&rec[at..]) {
-                *t = x;
-            }
-            _mm_loadu_si128(tail.as_ptr() as *const __m128i)
-        }
+    assert!((g * b).is_multiple_of(8) && (b == 2 || b == 3) && g.is_multiple_of(64));
+    // Lane `Q` of the step holds the tokens `BYTE_TOKEN[8 Q]..` (eight in a row): its bytes
+    // are the stream bytes from that token's, counted from one before the step's first byte.
+    let lane_bytes: [u8; 64] =
+        std::array::from_fn(|p| (b * BYTE_TOKEN[8 * (p / 8)] / 8 + p % 8) as u8);
+    // The first step of a run reads from its first byte: one less, and a zero for the byte
+    // before it.
+    let first_bytes: [u8; 64] = std::array::from_fn(|p| lane_bytes[p].saturating_sub(1));
+    let first_zero: u64 = !(0..64).fold(0u64, |m, p| m | (((lane_bytes[p] == 0) as u64) << p));
+    let low: [u8; 64] = std::array::from_fn(|p| (b * (p % 8) + 2) as u8);
+    let high: [u8; 64] = std::array::from_fn(|p| (b * (p % 8) + 3) as u8);
+    let load = |v: &[u8; 64]| _mm512_loadu_si512(v.as_ptr() as *const __m512i);
+    let (lane_bytes, first_bytes) = (load(&lane_bytes), load(&first_bytes));
+    let (low, high) = (load(&low), load(&high));
+    // 32 bytes from `at` (zeros past the record's end: a masked load reads none of them).
+    let bytes32 = |at: usize| -> __m512i {
+        let valid = rec.len().saturating_sub(at).min(32);
+        let mask: __mmask32 = if valid == 32 { !0 } else { (1u32 << valid) - 1 };
+        // SAFETY: the mask keeps the read to the `valid` bytes that lie inside `rec`.
+        _mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(
+            mask,
+            rec.as_ptr().add(at) as *const i8,
+        ))
     };
     trellis_runs_bytes::<PAIRS>(g, bits, cb16, out, |run_bit, t0| {
         let first = start + (run_bit + t0 * b) / 8;
-        let src = if t0 == 0 {
-            _mm_bslli_si128::<1>(bytes16(first))
+        let lanes = if t0 == 0 {
+            _mm512_maskz_permutexvar_epi8(first_zero, first_bytes, bytes32(first))
         } else {
-            bytes16(first - 1)
+            _mm512_permutexvar_epi8(lane_bytes, bytes32(first - 1))
         };
-        let words = _mm512_permutexvar_epi8(pick, _mm512_zextsi128_si512(src));
-        _mm512_and_si512(_mm512_srlv_epi16(words, shift), mask)
+        let idx = _mm512_multishift_epi64_epi8(low, lanes);
+        let bit8 = if b == 3 {
+            _mm512_movepi8_mask(_mm512_multishift_epi64_epi8(high, lanes))
+        } else {
+            0
+        };
+        (idx, bit8)
     });
 }
+
+/// Token of byte `p` of a lookup step ([`trellis_runs_bytes`]): byte `16 L + 8 h + j` takes
+/// token `32 h + 8 L + j`, so that interleaving the low and high byte planes lane by lane
+/// (`vpunpck[lh]bw`) gives the words in token order.
+#[cfg(target_arch = "x86_64")]
+const BYTE_TOKEN: [usize; 64] = {
+    let mut t = [0; 64];
+    let mut p = 0;
+    while p < 64 {
+        t[p] = 32 * ((p % 16) / 8) + 8 * (p / 16) + p % 8;
+        p += 1;
+    }
+    t
+};
 
 /// The shared step of both trellis readers: for each run (`g` codes at stream bit
 /// `c * g * bits`) and each 32-code step `t0`, `windows32(run_bit, t0)` gives the 32 windows
@@ -431,8 +457,8 @@ unsafe fn trellis_runs<const PAIRS: usize>(
 /// [`trellis_runs`] with VBMI byte permutes, 64 codes a step: the codebook split into its low
 /// and high bytes, each plane `PAIRS / 2` tables of 128 (`vpermi2b` looks up 64 bytes in one
 /// table from the window's bits 0-6; bits 7 and 8 pick the table), and the two planes
-/// interleaved back into words. The step's 64 window bytes are gathered so that this
-/// interleave puts the words in token order: byte `16L + 8h + j` takes token `32h + 8L + j`.
+/// interleaved back into words. `windows64(run_bit, t0)` gives the step's window bits 0-7 as
+/// bytes in [`BYTE_TOKEN`] order, and bit 8 of each as a mask (512-entry codebooks).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")]
 unsafe fn trellis_runs_bytes<const PAIRS: usize>(
@@ -440,7 +466,7 @@ unsafe fn trellis_runs_bytes<const PAIRS: usize>(
     bits: u32,
     cb16: &[i16],
     out: &mut [i16],
-    windows32: impl Fn(usize, usize) -> std::arch::x86_64::__m512i,
+    windows64: impl Fn(usize, usize) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__mmask64),
 ) {
     use std::arch::x86_64::*;
     assert!(cb16.len() == 64 * PAIRS && (PAIRS == 4 || PAIRS == 8) && g.is_multiple_of(64));
@@ -461,12 +487,6 @@ unsafe fn trellis_runs_bytes<const PAIRS: usize>(
     };
     let lo: [__m512i; PAIRS] = std::array::from_fn(|k| plane(k, false));
     let hi: [__m512i; PAIRS] = std::array::from_fn(|k| plane(k, true));
-    let token = |p: usize| 32 * ((p % 16) / 8) + 8 * (p / 16) + p % 8;
-    let gather_lo: [u8; 64] = std::array::from_fn(|p| (2 * token(p)) as u8);
-    let gather_hi: [u8; 64] = std::array::from_fn(|p| (2 * token(p) + 1) as u8);
-    let gather_lo = _mm512_loadu_si512(gather_lo.as_ptr() as *const __m512i);
-    let gather_hi = _mm512_loadu_si512(gather_hi.as_ptr() as *const __m512i);
-    let one = _mm512_set1_epi8(1);
     // One plane's bytes for the step: four (or two) table lookups, blended by bits 7 and 8.
     let look = |planes: &[__m512i; PAIRS], idx: __m512i, bit7: __mmask64, bit8: __mmask64| {
         let t = |k: usize| _mm512_permutex2var_epi8(planes[2 * k], idx, planes[2 * k + 1]);
@@ -480,14 +500,8 @@ unsafe fn trellis_runs_bytes<const PAIRS: usize>(
     for (c, run) in out.chunks_exact_mut(g).enumerate() {
         let run_bit = c * g * bits as usize;
         for t0 in (0..g).step_by(64) {
-            let (w0, w1) = (windows32(run_bit, t0), windows32(run_bit, t0 + 32));
-            let idx = _mm512_permutex2var_epi8(w0, gather_lo, w1);
+            let (idx, bit8) = windows64(run_bit, t0);
             let bit7 = _mm512_movepi8_mask(idx);
-            let bit8 = if PAIRS == 8 {
-                _mm512_test_epi8_mask(_mm512_permutex2var_epi8(w0, gather_hi, w1), one)
-            } else {
-                0
-            };
             let (l, h) = (look(&lo, idx, bit7, bit8), look(&hi, idx, bit7, bit8));
             // SAFETY: `t0 + 64 <= g = run.len()`.
             let o = run.as_mut_ptr().add(t0) as *mut __m512i;
