@@ -407,23 +407,39 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     pub(crate) unsafe fn reduce16(x: &[__m512; 16]) -> __m512 {
-        // Lanes l and l + 8: vectors 2i, 2i + 1 -> one register of two 8-lane halves.
-        let s1: [__m512; 8] = std::array::from_fn(|i| {
-            let (a, b) = (x[2 * i], x[2 * i + 1]);
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x44>(a, b),
-                _mm512_shuffle_f32x4::<0xEE>(a, b),
-            )
-        });
-        // Lanes l and l + 4: one 128-bit lane per vector.
-        let s2: [__m512; 4] = std::array::from_fn(|i| {
-            let (a, b) = (s1[2 * i], s1[2 * i + 1]);
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x88>(a, b),
-                _mm512_shuffle_f32x4::<0xDD>(a, b),
-            )
-        });
-        // Lanes l and l + 2, then l and l + 1, inside 128-bit lanes.
+        let s1: [__m512; 8] = std::array::from_fn(|i| add_halves8(x[2 * i], x[2 * i + 1]));
+        let s2: [__m512; 4] = std::array::from_fn(|i| add_halves4(s1[2 * i], s1[2 * i + 1]));
+        reduce16_tail(&s2)
+    }
+
+    /// [`reduce16`]'s first step for vectors `2i`, `2i + 1` (`a`, `b`): lanes `l` and `l + 8`
+    /// of each added, the two results as one register of two 8-lane halves. Callers that
+    /// finish vectors a few at a time take the first steps as they go.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(crate) unsafe fn add_halves8(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    }
+
+    /// [`reduce16`]'s second step for first-step results `2i`, `2i + 1`: lanes `l` and
+    /// `l + 4`, one 128-bit lane per original vector.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(crate) unsafe fn add_halves4(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    }
+
+    /// [`reduce16`] from its four second-step results: lanes `l` and `l + 2`, then `l` and
+    /// `l + 1`, inside 128-bit lanes, and the sums put in vector order.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(crate) unsafe fn reduce16_tail(s2: &[__m512; 4]) -> __m512 {
         let s3: [__m512; 2] = std::array::from_fn(|i| {
             let (a, b) = (s2[2 * i], s2[2 * i + 1]);
             _mm512_add_ps(

@@ -188,11 +188,11 @@ pub(crate) fn word_products(
         }
         #[cfg(target_arch = "x86_64")]
         (WordKernel::Vnni, WordSum::Values) => {
-            sc.lanes.resize(MAX_ROWS * VALUE_LANES * VALUE_LANES, 0.0);
+            sc.lanes.resize(MAX_ROWS * 8 * VALUE_LANES, 0.0);
             let lanes = &mut sc.lanes[..];
             macro_rules! call {
                 ($m:literal, $ch:literal) => {
-                    // SAFETY: as above; `lanes` holds 16 vectors of 16 per row.
+                    // SAFETY: as above; `lanes` holds 8 vectors of 16 per row.
                     unsafe {
                         vnni::value_sums::<$m, $ch>(
                             x, x_stride, r, words, lanes, out, out_stride, ahead,
@@ -298,7 +298,7 @@ mod vnni {
     #![allow(clippy::needless_range_loop)]
 
     use super::{Ahead, GROUP, KEY_BLOCK, VALUE_LANES};
-    use crate::cache::tile_gemm::avx512::reduce16;
+    use crate::cache::tile_gemm::avx512::{add_halves4, add_halves8, reduce16_tail};
     use std::arch::x86_64::*;
 
     /// Key sums of `M` rows: per 32 tokens, channels `c, c + 1` interleaved word by word
@@ -363,8 +363,9 @@ mod vnni {
 
     /// Value sums of `M` rows: per channel, its words 16 at a time widened to f32 (exact) and
     /// multiplied into the row's weights with `vfmadd` (lane `j` takes tokens `j mod 16`, in
-    /// ascending order), the lanes kept in `lanes`; per 16 channels, the 16 vectors of a row
-    /// reduced pairwise together by the dot kernel's transposing tree (`reduce16`).
+    /// ascending order); per 16 channels, the 16 vectors of a row reduced pairwise together by
+    /// the dot kernel's transposing tree (`reduce16`), its first steps taken as each group of
+    /// `CH` channels is done (one vector per group kept in `lanes`), the rest at the end.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
     pub(super) unsafe fn value_sums<const M: usize, const CH: usize>(
@@ -381,9 +382,10 @@ mod vnni {
         assert!(
             x.len() >= (M - 1) * x_stride + g
                 && words.len() >= r * g
-                && lanes.len() >= M * VALUE_LANES * VALUE_LANES
+                && lanes.len() >= M * 8 * VALUE_LANES
                 && out.len() >= (M - 1) * out_stride + r
                 && r.is_multiple_of(VALUE_LANES)
+                && (CH == 2 || CH == 4)
         );
         for c0 in (0..r).step_by(VALUE_LANES) {
             // CH channels at a time share each load of the weights.
@@ -408,23 +410,37 @@ mod vnni {
                         }
                     }
                 }
-                for (k, acc) in acc.iter().enumerate() {
-                    for s in 0..M {
-                        // SAFETY: vector ci0 + k of row s inside `lanes` (asserted).
-                        let at = lanes
-                            .as_mut_ptr()
-                            .add((s * VALUE_LANES + ci0 + k) * VALUE_LANES);
-                        _mm512_storeu_ps(at, acc[s]);
-                    }
+                // The reduction's first steps at once, so a row keeps one vector per
+                // group of channels instead of one per channel: four channels' second-step
+                // result (CH = 4), or two channels' first-step result (CH = 2).
+                for s in 0..M {
+                    let part = if CH == 4 {
+                        add_halves4(
+                            add_halves8(acc[0][s], acc[1][s]),
+                            add_halves8(acc[2][s], acc[3][s]),
+                        )
+                    } else {
+                        add_halves8(acc[0][s], acc[1][s])
+                    };
+                    // SAFETY: slot ci0 / CH of row s inside `lanes` (asserted; at most 8).
+                    let at = lanes.as_mut_ptr().add((s * 8 + ci0 / CH) * VALUE_LANES);
+                    _mm512_storeu_ps(at, part);
                 }
             }
             for s in 0..M {
-                // SAFETY: the row's 16 vectors written just above; 16 sums at c0 of row s
+                // SAFETY: the row's slots written just above; 16 sums at c0 of row s
                 // (asserted above).
-                let v: [__m512; VALUE_LANES] = std::array::from_fn(|ci| {
-                    _mm512_loadu_ps(lanes.as_ptr().add((s * VALUE_LANES + ci) * VALUE_LANES))
-                });
-                _mm512_storeu_ps(out.as_mut_ptr().add(s * out_stride + c0), reduce16(&v));
+                let slot =
+                    |i: usize| _mm512_loadu_ps(lanes.as_ptr().add((s * 8 + i) * VALUE_LANES));
+                let s2: [__m512; 4] = if CH == 4 {
+                    std::array::from_fn(slot)
+                } else {
+                    std::array::from_fn(|i| add_halves4(slot(2 * i), slot(2 * i + 1)))
+                };
+                _mm512_storeu_ps(
+                    out.as_mut_ptr().add(s * out_stride + c0),
+                    reduce16_tail(&s2),
+                );
             }
         }
     }
