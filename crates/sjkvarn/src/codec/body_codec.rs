@@ -171,6 +171,20 @@ pub enum HalfReader {
 }
 
 impl HalfReader {
+    /// Whether this reader reads `codec`'s records (so a reader kept from an earlier call
+    /// can serve this one).
+    pub fn serves(&self, codec: &BodyCodec) -> bool {
+        match (self, codec) {
+            (HalfReader::Reference(reader), BodyCodec::Reference { layout, .. }) => {
+                reader.layout() == layout
+            }
+            (HalfReader::Extension(spec), BodyCodec::Extension { spec: other, .. }) => {
+                spec == other
+            }
+            _ => false,
+        }
+    }
+
     /// The halves of `rec` into `out` (resized to the half count; buffers reused).
     #[inline(always)]
     pub fn read(&mut self, rec: &[u8], out: &mut Vec<DecodedHalf>) -> Result<()> {
