@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--task", choices=["kl", "needles"], default="kl")
     ev.add_argument("--context-tokens", type=int, default=1536, help="needles: sequence length")
+    ev.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="merge the results.json of runs of the same settings that ran different arms "
+        "into one report under --out (runs no model)",
+    )
     an = sub.add_parser("analyze", help="per-layer statistics and rounding errors of a KV cache")
     an.add_argument("--model", default=None, help=MODEL_HELP)
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
@@ -122,6 +129,8 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from sjkvarn.eval import evaluation, histories, models
 
+    if args.merge:
+        return merge_results(args)
     seed = args.preset == "seed"
     if args.history_tokens is None:
         args.history_tokens = 12288 if seed else 1024
@@ -158,6 +167,26 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = evaluation.evaluate(net, tok, hist, settings)
     except ValueError as e:
         print(f"sjkvarn eval: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    evaluation.write_outputs(report, out)
+    print(evaluation.render_table(report))
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'kl_vs_bits.png'}")
+    return 0
+
+
+def merge_results(args: argparse.Namespace) -> int:
+    """`sjkvarn eval --merge A/results.json B/results.json --out DIR`."""
+    import json
+    from pathlib import Path
+
+    from sjkvarn.eval import evaluation
+
+    try:
+        reports = [json.loads(Path(p).read_text()) for p in args.merge]
+        report = evaluation.merge_reports(reports)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"sjkvarn eval --merge: {e!s}", file=sys.stderr)
         return 2
     out = Path(args.out)
     evaluation.write_outputs(report, out)

@@ -387,6 +387,66 @@ def evaluate(
     return report
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs of the same evaluation that ran different arms (a long
+    preset split across sessions): the same settings but for the arm list, the same
+    histories, and the same baseline in each. Every arm keeps the figures of the first run
+    that has it, its ratio and CIs paired against that run's own baseline; ``merged_from``
+    records each run's arms, baseline mean KL and environment, so a reader sees how far the
+    shared baseline moved between them."""
+    if len(reports) < 2:
+        raise ValueError("merging needs at least two reports")
+    first = reports[0]
+
+    def comparable(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r["settings"].items() if k != "arms"}
+
+    baseline = first["settings"]["baseline"]
+    for i, r in enumerate(reports):
+        if comparable(r) != comparable(first):
+            changed = sorted(
+                k
+                for k in set(comparable(r)) | set(comparable(first))
+                if comparable(r).get(k) != comparable(first).get(k)
+            )
+            raise ValueError(f"report {i} ran other settings than report 0: {changed}")
+        digests = (r.get("environment") or {}).get("history_sha256")
+        if r["histories"] != first["histories"] or digests != (
+            first.get("environment") or {}
+        ).get("history_sha256"):
+            raise ValueError(f"report {i} scored other histories (names or texts differ)")
+        if baseline not in r["arms"]:
+            raise ValueError(f"report {i} lacks the baseline arm {baseline!r}")
+    arms: dict[str, Any] = {}
+    for r in reports:
+        for name, entry in r["arms"].items():
+            arms.setdefault(name, entry)
+    merged = dict(first)
+    merged["settings"] = dict(first["settings"], arms=list(arms))
+    merged["arms"] = arms
+    merged["merged_from"] = [
+        {
+            "arms": list(r["arms"]),
+            "baseline_mean": r["arms"][baseline]["mean"],
+            "environment": r.get("environment"),
+        }
+        for r in reports
+    ]
+    return merged
+
+
+def _merged_line(report: dict[str, Any]) -> str:
+    runs = report.get("merged_from")
+    if not runs:
+        return ""
+    means = ", ".join(f"{r['baseline_mean']:.3e}" for r in runs)
+    return (
+        f"Merged from {len(runs)} runs of these settings: each arm's figures come from the "
+        f"first run that has it, its ratio and CIs paired against that run's own baseline "
+        f"(baseline mean KL per run: {means})."
+    )
+
+
 def render_table(report: dict[str, Any]) -> str:
     base = report["settings"]["baseline"]
     lines = [
@@ -440,6 +500,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"and {s['kvarn_tail']} (1,024 at full scale) after the 128-token sink."
         ),
         _regime_line(report),
+        _merged_line(report),
         f"KL(p||q) in nats against the exact float32 cache; ratios are mean-KL ratios to "
         f"`{s['baseline']}` with paired bootstrap 95% CIs over positions"
         + (" and over histories." if len(report["histories"]) > 1 else "."),

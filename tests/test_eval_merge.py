@@ -1,0 +1,141 @@
+"""Merging eval reports of runs that ran different arms of the same settings."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("torch")
+
+from sjkvarn.eval import evaluation  # noqa: E402
+
+BASE = "KVarN 4/4 tail 0"
+
+
+def _report(arms: dict[str, tuple[float, float]], base_mean: float) -> dict:
+    entries = {}
+    for name, (bits, mean) in arms.items():
+        ratio = mean / base_mean
+        entries[name] = {
+            "mean": mean,
+            "median": mean / 2,
+            "p90": 2 * mean,
+            "p99": 5 * mean,
+            "top1": 0.97,
+            "bits_per_value": bits,
+            "allocated_mib": 10.0,
+            "allocated_bits": bits + 0.3,
+            "seconds": 60.0,
+            "positions": 1024,
+            "ratio": {
+                "point": ratio,
+                "ci_positions": [0.8 * ratio, 1.2 * ratio],
+                "ci_histories": [0.7 * ratio, 1.3 * ratio],
+            },
+        }
+    return {
+        "settings": {
+            "seed": 0,
+            "baseline": BASE,
+            "sj_tail": [4096, 8192],
+            "kvarn_tail": 1024,
+            "bootstrap": 2000,
+            "arms": list(arms),
+            "preset": "seed",
+            "history_tokens": 12288,
+            "scored_tokens": 256,
+            "mode": "teacher",
+        },
+        "histories": ["code", "prose"],
+        "environment": {
+            "python": "3.11.7",
+            "torch": "2.15.0",
+            "history_sha256": {"code": "5949d4e7acdaee31", "prose": "71f2ff5d99bdc1f9"},
+        },
+        "distinct_scored_tokens": [100, 120],
+        "arms": entries,
+    }
+
+
+def _two_runs() -> tuple[dict, dict]:
+    a = _report(
+        {BASE: (4.64, 1.1e-2), "SJ-KVaRN 4/4": (5.6, 4.7e-3), "q8_0/q8_0": (8.5, 3e-4)}, 1.1e-2
+    )
+    b = _report(
+        {BASE: (4.64, 1.2e-2), "SJ-KVaRN 3/2t": (5.1, 6e-3), "turbo3/turbo3": (3.1, 2e-1)}, 1.2e-2
+    )
+    return a, b
+
+
+def test_merged_report_keeps_each_arm_from_its_first_run() -> None:
+    a, b = _two_runs()
+    merged = evaluation.merge_reports([a, b])
+    assert list(merged["arms"]) == [
+        BASE,
+        "SJ-KVaRN 4/4",
+        "q8_0/q8_0",
+        "SJ-KVaRN 3/2t",
+        "turbo3/turbo3",
+    ]
+    assert merged["arms"][BASE] == a["arms"][BASE]  # the first run's baseline
+    assert merged["arms"]["SJ-KVaRN 3/2t"] == b["arms"]["SJ-KVaRN 3/2t"]
+    assert merged["settings"]["arms"] == list(merged["arms"])
+    assert [r["baseline_mean"] for r in merged["merged_from"]] == [1.1e-2, 1.2e-2]
+    assert [r["arms"] for r in merged["merged_from"]] == [list(a["arms"]), list(b["arms"])]
+    text = evaluation.render_markdown(merged)
+    assert "Merged from 2 runs" in text and "1.100e-02, 1.200e-02" in text
+    assert text.count("| turbo3/turbo3 |") == 1
+    # The inputs are left as they were.
+    assert list(a["arms"]) == [BASE, "SJ-KVaRN 4/4", "q8_0/q8_0"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r["settings"].update(history_tokens=1024), "history_tokens"),
+        (lambda r: r.update(histories=["code", "docs"]), "other histories"),
+        (lambda r: r["environment"]["history_sha256"].update(code="0" * 16), "other histories"),
+        (lambda r: r["arms"].pop(BASE), "baseline"),
+    ],
+)
+def test_runs_that_do_not_match_are_refused(change, message: str) -> None:
+    a, b = _two_runs()
+    before = copy.deepcopy(a)
+    change(b)
+    with pytest.raises(ValueError, match=message):
+        evaluation.merge_reports([a, b])
+    assert a == before
+    with pytest.raises(ValueError, match="at least two"):
+        evaluation.merge_reports([a])
+
+
+def test_cli_merges_results_files_and_reports_bad_ones(tmp_path: Path) -> None:
+    a, b = _two_runs()
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    out = tmp_path / "merged"
+    cmd = [sys.executable, "-m", "sjkvarn", "eval", "--merge"]
+    done = subprocess.run(
+        [*cmd, str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((out / "results.json").read_text())
+    assert len(merged["arms"]) == 5
+    assert (out / "kl_vs_bits.png").stat().st_size > 10_000
+    assert "Merged from 2 runs" in (out / "report.md").read_text()
+    (tmp_path / "bad.json").write_text("{not json")
+    done = subprocess.run(
+        [*cmd, str(tmp_path / "a.json"), str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "sjkvarn eval --merge" in done.stderr
+    assert not (tmp_path / "x").exists()
