@@ -411,9 +411,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             )
             raise ValueError(f"report {i} ran other settings than report 0: {changed}")
         digests = (r.get("environment") or {}).get("history_sha256")
-        if r["histories"] != first["histories"] or digests != (
-            first.get("environment") or {}
-        ).get("history_sha256"):
+        if r["histories"] != first["histories"] or digests != (first.get("environment") or {}).get(
+            "history_sha256"
+        ):
             raise ValueError(f"report {i} scored other histories (names or texts differ)")
         if baseline not in r["arms"]:
             raise ValueError(f"report {i} lacks the baseline arm {baseline!r}")
