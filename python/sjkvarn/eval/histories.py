@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pydoc
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,21 @@ def coding() -> History:
     return History("coding", _source(textwrap, json.decoder))
 
 
+def _render_docs(modules: tuple[Any, ...]) -> str:
+    """The plain-text ``pydoc`` pages of ``modules``. Default values that are plain objects
+    render with their address (``OrderedDict.pop``'s sentinel: ``<object object at 0x7f...>``),
+    which changes from process to process; it is cut out, so the text, and every figure scored
+    on it, is the same in every run."""
+    text = "\n".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in modules)
+    return re.sub(r" at 0x[0-9a-f]+>", ">", text)
+
+
 def prose() -> History:
     """pydoc renderings of standard-library modules (documentation prose, lookups)."""
     import collections
     import string
 
-    text = "\n".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in (string, collections))
-    return History("prose", text)
+    return History("prose", _render_docs((string, collections)))
 
 
 def _transcript(question: str, modules: tuple[Any, ...]) -> str:
@@ -93,9 +102,7 @@ def long_docs() -> History:
     import pathlib
     import string
 
-    modules = (collections, pathlib, functools, itertools, string)
-    text = "\n".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in modules)
-    return History("docs", text)
+    return History("docs", _render_docs((collections, pathlib, functools, itertools, string)))
 
 
 def long_agentic() -> History:
