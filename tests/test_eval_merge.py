@@ -100,7 +100,7 @@ def test_merged_report_keeps_each_arm_from_its_first_run() -> None:
     [
         (lambda r: r["settings"].update(history_tokens=1024), "history_tokens"),
         (lambda r: r.update(histories=["code", "docs"]), "other histories"),
-        (lambda r: r["environment"]["history_sha256"].update(code="0" * 16), "other histories"),
+        (lambda r: r["environment"]["history_sha256"].update(code="0" * 16), "other texts"),
         (lambda r: r["arms"].pop(BASE), "baseline"),
     ],
 )
@@ -139,3 +139,13 @@ def test_cli_merges_results_files_and_reports_bad_ones(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and "sjkvarn eval --merge" in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_other_texts_merge_only_when_allowed_and_are_named() -> None:
+    a, b = _two_runs()
+    b["environment"]["history_sha256"]["prose"] = "0" * 16
+    with pytest.raises(ValueError, match=r"other texts for the histories \['prose'\]"):
+        evaluation.merge_reports([a, b])
+    merged = evaluation.merge_reports([a, b], allow_other_texts=True)
+    assert merged["other_texts"] == ["prose"]
+    assert "texts differ for the histories ['prose']" in evaluation.render_markdown(merged)

@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         help="merge the results.json of runs of the same settings that ran different arms "
         "into one report under --out (runs no model)",
     )
+    ev.add_argument(
+        "--allow-other-texts",
+        action="store_true",
+        help="--merge: accept histories whose texts differ between the runs (named in the report)",
+    )
     an = sub.add_parser("analyze", help="per-layer statistics and rounding errors of a KV cache")
     an.add_argument("--model", default=None, help=MODEL_HELP)
     an.add_argument("--text", default=None, help="text file (default: stdlib sources)")
@@ -184,7 +189,7 @@ def merge_results(args: argparse.Namespace) -> int:
 
     try:
         reports = [json.loads(Path(p).read_text()) for p in args.merge]
-        report = evaluation.merge_reports(reports)
+        report = evaluation.merge_reports(reports, allow_other_texts=args.allow_other_texts)
     except (OSError, ValueError, KeyError) as e:
         print(f"sjkvarn eval --merge: {e!s}", file=sys.stderr)
         return 2

@@ -387,13 +387,14 @@ def evaluate(
     return report
 
 
-def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False) -> dict[str, Any]:
     """One report from several runs of the same evaluation that ran different arms (a long
     preset split across sessions): the same settings but for the arm list, the same
     histories, and the same baseline in each. Every arm keeps the figures of the first run
     that has it, its ratio and CIs paired against that run's own baseline; ``merged_from``
     records each run's arms, baseline mean KL and environment, so a reader sees how far the
-    shared baseline moved between them."""
+    shared baseline moved between them. ``allow_other_texts`` accepts histories of the same
+    names whose texts differ (``other_texts`` then names them)."""
     if len(reports) < 2:
         raise ValueError("merging needs at least two reports")
     first = reports[0]
@@ -402,6 +403,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         return {k: v for k, v in r["settings"].items() if k != "arms"}
 
     baseline = first["settings"]["baseline"]
+    other_texts: set[str] = set()
     for i, r in enumerate(reports):
         if comparable(r) != comparable(first):
             changed = sorted(
@@ -410,11 +412,14 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
                 if comparable(r).get(k) != comparable(first).get(k)
             )
             raise ValueError(f"report {i} ran other settings than report 0: {changed}")
-        digests = (r.get("environment") or {}).get("history_sha256")
-        if r["histories"] != first["histories"] or digests != (first.get("environment") or {}).get(
-            "history_sha256"
-        ):
-            raise ValueError(f"report {i} scored other histories (names or texts differ)")
+        if r["histories"] != first["histories"]:
+            raise ValueError(f"report {i} scored other histories: {r['histories']}")
+        digests = (r.get("environment") or {}).get("history_sha256") or {}
+        first_digests = (first.get("environment") or {}).get("history_sha256") or {}
+        differ = sorted(h for h in r["histories"] if digests.get(h) != first_digests.get(h))
+        if differ and not allow_other_texts:
+            raise ValueError(f"report {i} scored other texts for the histories {differ}")
+        other_texts.update(differ)
         if baseline not in r["arms"]:
             raise ValueError(f"report {i} lacks the baseline arm {baseline!r}")
     arms: dict[str, Any] = {}
@@ -424,6 +429,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(first)
     merged["settings"] = dict(first["settings"], arms=list(arms))
     merged["arms"] = arms
+    if other_texts:
+        merged["other_texts"] = sorted(other_texts)
     merged["merged_from"] = [
         {
             "arms": list(r["arms"]),
@@ -440,11 +447,14 @@ def _merged_line(report: dict[str, Any]) -> str:
     if not runs:
         return ""
     means = ", ".join(f"{r['baseline_mean']:.3e}" for r in runs)
-    return (
+    line = (
         f"Merged from {len(runs)} runs of these settings: each arm's figures come from the "
         f"first run that has it, its ratio and CIs paired against that run's own baseline "
         f"(baseline mean KL per run: {means})."
     )
+    if report.get("other_texts"):
+        line += f" The runs' texts differ for the histories {report['other_texts']}."
+    return line
 
 
 def render_table(report: dict[str, Any]) -> str:
