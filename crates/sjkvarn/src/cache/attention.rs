@@ -392,9 +392,14 @@ impl Lease {
     }
 }
 
+/// Largest rounded-query buffer a kept workspace holds on to: a decode call's is a few KiB,
+/// a 4,096-row prefill's about 12 MiB per thread.
+const KEPT_QUERY_BYTES: usize = 1 << 20;
+
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(ws) = self.0.take() {
+        if let Some(mut ws) = self.0.take() {
+            ws.scratch.ring_queries.trim(KEPT_QUERY_BYTES);
             // During thread teardown the slot may be gone; the workspace is then just freed.
             let _ = SPARE.try_with(|s| *s.borrow_mut() = Some(ws));
         }

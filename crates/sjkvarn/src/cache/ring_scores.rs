@@ -93,6 +93,15 @@ pub(crate) struct FixedQueries {
 }
 
 impl FixedQueries {
+    /// Frees the buffers when they hold more than `bytes` (a long prefill's query rows), so a
+    /// workspace kept between calls does not keep them; `prepare` sizes them again.
+    pub(crate) fn trim(&mut self, bytes: usize) {
+        let held = self.n.capacity() * 2 + self.factor.capacity() * 4;
+        if held > bytes {
+            *self = Self::default();
+        }
+    }
+
     /// Rounds `rows` query rows of `d` values (`stride` apart) block by block.
     pub(crate) fn prepare(&mut self, queries: &[f32], stride: usize, rows: usize, d: usize) {
         let block = if d == tq6::BLOCK64_VALUES {
@@ -728,6 +737,21 @@ mod avx512 {
 mod tests {
     use super::*;
     use crate::rng::SplitMix64;
+
+    /// `trim` frees a prefill's worth of rounded rows and keeps a decode call's.
+    #[test]
+    fn trim_frees_only_large_buffers() {
+        let mut rng = SplitMix64::new(3);
+        let mut fq = FixedQueries::default();
+        fq.prepare(&rng.gaussians(6 * 256), 256, 6, 256);
+        fq.trim(1 << 20);
+        assert_eq!(fq.n.len(), 6 * 256);
+        fq.prepare(&rng.gaussians(4096 * 256), 256, 4096, 256);
+        fq.trim(1 << 20);
+        assert_eq!(fq.n.capacity() + fq.factor.capacity(), 0);
+        fq.prepare(&rng.gaussians(6 * 256), 256, 6, 256);
+        assert_eq!(fq.n.len(), 6 * 256);
+    }
 
     fn rows_of(d: usize, n: usize, rng: &mut SplitMix64) -> Vec<Vec<u8>> {
         (0..n)
