@@ -167,20 +167,90 @@ def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) ->
         context_tokens=400, distances=(64, 200), bootstrap=100, arms=["fp16"]
     )
     cases = needles.build_cases(tok, [histories.coding()], s)
+    assert len(cases) == 2  # one per distance
     for case in cases:
         ids = case.ids[0].tolist()
         assert len(ids) == 400
-        assert ids[case.answer_from :] == case.gold.tolist()
+        (answer,) = case.answers
+        assert answer.distance == answer.nominal
+        assert ids[answer.start :] == answer.gold.tolist()
         text = tok.decode(ids)
         fact = text.index("# Note: the access code")
         question = text.index("# Question:")
         between = tok(text[fact:question], add_special_tokens=False).input_ids
-        assert abs(len(between) - case.distance) <= 20  # the fact line plus the filler
+        assert abs(len(between) - answer.distance) <= 20  # the fact line plus the filler
     report = needles.evaluate_needles(net, tok, [histories.coding()], s, progress=False)
     fp16 = report["arms"]["fp16"]
     assert set(fp16["per_distance"]) == {64, 200}
     assert fp16["mean"] < 1e-3 and 0.0 <= fp16["top1_gold"] <= 1.0
     assert "fp16" in needles.render(report)
+
+
+def test_shared_needles_put_every_distance_in_one_sequence(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The shared layout: one sequence per haystack, each fact ending its nominal distance
+    before the question block, every question answered in turn at the end; scoring picks each
+    answer's own rows, and the exact fp16 journal gets the answers' KL near zero."""
+    from sjkvarn.eval import needles
+
+    net, tok = model_and_tokenizer
+    s = needles.NeedleSettings(
+        context_tokens=720,
+        distances=(60, 250, 500),
+        bootstrap=100,
+        arms=["fp16", "q4_0/q4_0"],
+        layout="shared",
+    )
+    (case,) = needles.build_cases(tok, [histories.coding()], s)
+    ids = case.ids[0].tolist()
+    assert len(ids) == 720
+    assert [a.nominal for a in case.answers] == [500, 250, 60]  # asked farthest first
+    block = min(a.start - len(a.gold) for a in case.answers)  # after the first question
+    for a in case.answers:
+        number = tok.decode(a.gold.tolist()).strip()
+        assert ids[a.start : a.start + len(a.gold)] == a.gold.tolist()
+        assert tok.decode(ids[: a.fact_end]).endswith(f"vault is {number}.\n")
+        question = tok.decode(ids[a.fact_end + a.distance : a.start])
+        assert question.startswith("\n# Question: what is the access code for the")
+        colour = question.split("for the ")[1].split(" vault")[0]
+        assert f"{colour} vault is {number}." in tok.decode(ids[: a.fact_end])
+        assert a.nominal <= a.distance < a.nominal + block  # plus the questions asked before
+    report = needles.evaluate_needles(net, tok, [histories.coding()], s, progress=False)
+    assert report["distances_measured"] == {a.nominal: [a.distance] for a in case.answers}
+    fp16, q4 = report["arms"]["fp16"], report["arms"]["q4_0/q4_0"]
+    assert fp16["positions"] == sum(len(a.gold) for a in case.answers)
+    assert fp16["mean"] < 1e-4 < q4["mean"]
+
+
+def test_positions_side_by_side_equal_one_arm_at_a_time(model_and_tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--task positions` runs the exact cache and the arms in lockstep, switching the attention
+    implementation per chunk; each arm's KL per position must match a separate `run_sequence`
+    of that arm (chunk boundaries differ at seal events: float rounding only)."""
+    from sjkvarn.eval import positions
+
+    net, tok = model_and_tokenizer
+    s = positions.PositionSettings(
+        context_tokens=700,
+        bin_tokens=128,
+        sj_tail=(128, 256),
+        bootstrap=100,
+        arms=["SJ-KVaRN 3/2t", "q4_0/q4_0"],
+    )
+    report, kl = positions.evaluate_positions(net, tok, histories.coding(), s, progress=False)
+    ids = tok(histories.coding().text, return_tensors="pt").input_ids[:, :700]
+    ref, _, _ = evaluation.run_sequence(net, ids, 1, None)
+    for arm in s.select_arms():
+        alone, _, _ = evaluation.run_sequence(net, ids, 1, arm)
+        expected = stats.kl_per_position(ref, alone)
+        assert kl[arm.name].shape == expected.shape == (699,)
+        assert abs(kl[arm.name].mean() - expected.mean()) <= 0.02 * expected.mean()
+    assert report["arms"]["KVarN 4/4 tail 0"]["ratio_after_first_seal"]["point"] == 1.0
+    sj = report["arms"]["SJ-KVaRN 3/2t"]
+    assert sj["sealed"][-1][1] > 0 and sj["sealed"][0][1] == 0  # sealed only after its ring
+    assert 0 < report["first_seal"] < 699
+    assert len(sj["per_bin"]) == len(report["bins"]) == 6
+    positions.write_outputs(report, kl, tmp_path)
+    assert all((tmp_path / f).stat().st_size > 0 for f in positions.OUTPUTS)
+    assert "SJ-KVaRN 3/2t" in positions.render(report)
 
 
 def test_seed_preset_has_its_arms_long_histories_and_reports_the_auto_picks(

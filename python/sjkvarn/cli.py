@@ -49,8 +49,28 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--task", choices=["kl", "needles"], default="kl")
-    ev.add_argument("--context-tokens", type=int, default=1536, help="needles: sequence length")
+    ev.add_argument(
+        "--task",
+        choices=["kl", "needles", "positions"],
+        default="kl",
+        help="kl: KL over scored positions after each history (default); needles: facts asked "
+        "back at several distances; positions: KL against position over one long history",
+    )
+    ev.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="needles and positions: sequence length (1536 and 4096; seed: 30720)",
+    )
+    ev.add_argument(
+        "--needle-layout",
+        choices=["single", "shared"],
+        default=None,
+        help="needles: one fact per sequence, or all distances in one (default; seed: shared)",
+    )
+    ev.add_argument(
+        "--bin-tokens", type=int, default=1024, help="positions: tokens per reported bin"
+    )
     ev.add_argument(
         "--merge",
         nargs="+",
@@ -148,8 +168,17 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         hist = [histories.from_file(p) for p in args.text]
     else:
         hist = histories.seed_scale() if seed else histories.defaults()
+    if args.context_tokens is None:
+        args.context_tokens = 30720 if seed else {"needles": 1536}.get(args.task, 4096)
+    if args.task != "kl" and args.arms is None and seed:
+        # every seed arm at 30K tokens would take hours here: the ones the question is about
+        from sjkvarn.eval import positions
+
+        args.arms = list(positions.DEFAULT_ARMS)
     if args.task == "needles":
         return run_needles(args, net, tok, hist)
+    if args.task == "positions":
+        return run_positions(args, net, tok, hist)
     if seed:
         # The method's own tails: sealed records hold most of a 12K history.
         sj_tail, kvarn_tail = (4096, 8192), 1024
@@ -232,15 +261,20 @@ def run_needles(args: argparse.Namespace, net: object, tok: object, hist: list) 
     from sjkvarn.eval import needles
 
     c = args.context_tokens
-    distances = tuple(sorted({max(64, int(c * f)) for f in (1 / 12, 1 / 4, 1 / 2, 5 / 6)}))
+    seed = args.preset == "seed"
+    # seed: 2K, 8K, 16K and 28K tokens back at 30,720 (the seed's needle distances)
+    fractions = (1 / 15, 4 / 15, 8 / 15, 14 / 15) if seed else (1 / 12, 1 / 4, 1 / 2, 5 / 6)
+    distances = tuple(sorted({max(64, int(c * f)) for f in fractions}))
     settings = needles.NeedleSettings(
         context_tokens=c,
         distances=distances,
         seed=args.seed,
         baseline=args.baseline,
         arms=args.arms,
+        preset=args.preset,
+        layout=args.needle_layout or ("shared" if seed else "single"),
     )
-    haystacks = [h for h in hist if h.name in ("coding", "prose")] or hist
+    haystacks = [h for h in hist if h.name in ("coding", "code", "prose")] or hist
     try:
         report = needles.evaluate_needles(net, tok, haystacks, settings)
     except ValueError as e:
@@ -251,4 +285,34 @@ def run_needles(args: argparse.Namespace, net: object, tok: object, hist: list) 
     (out / "needles.json").write_text(json.dumps(report, indent=2))
     print(needles.render(report))
     print(f"\nwrote {out / 'needles.json'}")
+    return 0
+
+
+def run_positions(args: argparse.Namespace, net: object, tok: object, hist: list) -> int:  # type: ignore[type-arg]
+    from pathlib import Path
+
+    from sjkvarn.eval import positions
+
+    c = args.context_tokens
+    scale = c / 1024
+    settings = positions.PositionSettings(
+        context_tokens=c,
+        bin_tokens=args.bin_tokens,
+        seed=args.seed,
+        baseline=args.baseline,
+        arms=args.arms,
+        preset=args.preset,
+        sj_tail=(max(128, int(128 * scale)), max(256, int(256 * scale))),
+        kvarn_tail=max(64, int(64 * scale)),
+    )
+    try:
+        report, kl = positions.evaluate_positions(net, tok, hist[0], settings)
+    except ValueError as e:
+        print(f"sjkvarn eval: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    positions.write_outputs(report, kl, out)
+    print(positions.render(report))
+    written = ", ".join(str(out / f) for f in positions.OUTPUTS)
+    print(f"\nwrote {written}")
     return 0

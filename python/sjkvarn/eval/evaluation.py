@@ -174,6 +174,97 @@ def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+class Replay:
+    """One arm's cache (``None``: the exact reference) fed a sequence chunk by chunk, so several
+    arms can run side by side on the same tokens (`positions`) or one after another
+    (`run_sequence`). A journal arm's chunks stop at its seal events, which equals
+    token-by-token decoding."""
+
+    def __init__(self, model: Any, arm: Arm | None, total: int, max_chunk: int = 256) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import Cache as HFCache
+
+        self.model, self.arm, self.total, self.max_chunk = model, arm, total, max_chunk
+        self.geo = hf.config_for(model)
+        layers = model.config.num_hidden_layers
+        # Values per token of the layers the arms store (a hybrid model's sliding-window layers
+        # keep transformers' own storage in every arm).
+        full_layers = sum(1 for _, layer in hf._other_layers(model, layers) if layer is None)
+        self.values_per_token = full_layers * self.geo.kv_heads * self.geo.head_dim * 2
+        self.sj: hf.SJKVCache | None = None
+        self.implementation = "sdpa"
+        if arm is None:
+            self.cache: Any = DynamicCache()
+            self.bits = 32.0
+        elif arm.journal is not None:
+            cfg = hf.config_for(model, max_tokens=total + 1, max_chunk=max_chunk, **arm.journal)
+            self.sj = hf.SJKVCache(model, cfg)
+            self.cache = self.sj
+            self.implementation = hf.IMPLEMENTATION
+            self.bits = 0.0
+        else:
+            assert arm.k_format and arm.v_format
+            # Full-attention layers store through the flat codec; sliding-window layers keep
+            # transformers' own bounded storage, as they do in the journal arms.
+            own = hf._other_layers(model, layers)
+            self.cache = HFCache(
+                layers=[
+                    FlatLayer(arm.k_format, arm.v_format) if layer is None else layer
+                    for _, layer in own
+                ]
+            )
+            self.bits = (
+                codec.format_info(arm.k_format).bits_per_value
+                + codec.format_info(arm.v_format).bits_per_value
+            ) / 2
+
+    def step(self, pos: int) -> int:
+        """How many tokens the next forward pass from ``pos`` may take."""
+        step = min(self.max_chunk, self.total - pos)
+        if self.sj is not None:
+            step = min(step, self.sj.sjkv.chunk_limit(0))
+        return step
+
+    def forward(self, chunk: torch.Tensor, keep: int) -> torch.Tensor:
+        """Runs one chunk and returns the log-probs of its last ``keep`` positions (the model
+        computes no others: at Gemma's 262K vocabulary the output layer is half the work)."""
+        if getattr(self.model.config, "_attn_implementation", None) != self.implementation:
+            self.model.set_attn_implementation(self.implementation)
+        out = self.model(chunk, cache=self.cache, use_cache=True, logits_to_keep=max(keep, 1))
+        return _logprobs(out.logits[0, -keep:]) if keep else out.logits[0, :0].float()
+
+    def effective_bits(self) -> float:
+        """Occupied bits per stored value now (a journal's grow as it seals)."""
+        return self.sj.sjkv.memory()["effective_bits"] if self.sj is not None else self.bits
+
+    def sealed_fraction(self) -> float | None:
+        if self.sj is None:
+            return None
+        mem = self.sj.sjkv.memory()
+        held = mem["sealed_tokens"] + mem["ring_tokens"] + mem["sink_tokens"]
+        return mem["sealed_tokens"] / max(held, 1)
+
+    def allocated(self, info: dict[str, Any] | None) -> float:
+        """Allocated cache bytes now (of the layers the arm stores); ``info`` receives the
+        allocated bits per stored value, the sealed share and what ``staging="auto"`` picked."""
+        if self.sj is not None:
+            mem = self.sj.sjkv.memory()
+            # The layers that hold tokens: the journal's other layers are allocated but unused.
+            allocated = float(mem["in_use_bytes"])
+            values = mem["in_use_layers"] * self.geo.kv_heads * self.geo.head_dim * 2 * self.total
+            if info is not None:
+                info["sealed_fraction"] = self.sealed_fraction()
+                picks = self.sj.sjkv.staging_report()
+                if any(p is not None for p in picks):
+                    info["staging_picks"] = [p and p["k"] + "/" + p["v"] for p in picks]
+        else:
+            allocated = self.bits * self.values_per_token * self.total / 8
+            values = self.values_per_token * self.total
+        if info is not None:
+            info["allocated_bits"] = allocated * 8 / max(values, 1)
+        return allocated
+
+
 def run_sequence(
     model: Any,
     ids: torch.Tensor,
@@ -188,76 +279,24 @@ def run_sequence(
     the allocated cache bytes at the end (of the layers the arm stores). ``info`` (when given)
     receives the allocated bits per stored value at the end and, for a journal arm, the share of
     tokens in sealed records and what ``staging="auto"`` picked."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache as HFCache
-
     total = ids.shape[1]
-    layers = model.config.num_hidden_layers
-    geo = hf.config_for(model)
-    # Values per token of the layers the arms store (a hybrid model's sliding-window layers
-    # keep transformers' own storage in every arm).
-    full_layers = sum(1 for _, layer in hf._other_layers(model, layers) if layer is None)
-    values_per_token = full_layers * geo.kv_heads * geo.head_dim * 2
-    sj: hf.SJKVCache | None = None
-    if arm is None:
-        model.set_attn_implementation("sdpa")
-        cache: Any = DynamicCache()
-        bits = 32.0
-    elif arm.journal is not None:
-        cfg = hf.config_for(model, max_tokens=total + 1, max_chunk=max_chunk, **arm.journal)
-        sj = hf.SJKVCache(model, cfg)
-        cache = sj
-        bits = 0.0
-    else:
-        model.set_attn_implementation("sdpa")
-        assert arm.k_format and arm.v_format
-        # Full-attention layers store through the flat codec; sliding-window layers keep
-        # transformers' own bounded storage, as they do in the journal arms.
-        own = hf._other_layers(model, layers)
-        cache = HFCache(
-            layers=[
-                FlatLayer(arm.k_format, arm.v_format) if layer is None else layer
-                for _, layer in own
-            ]
-        )
-        bits = (
-            codec.format_info(arm.k_format).bits_per_value
-            + codec.format_info(arm.v_format).bits_per_value
-        ) / 2
+    replay = Replay(model, arm, total, max_chunk)
     out: list[torch.Tensor] = []
     bit_sum, pos = 0.0, 0
     with torch.no_grad():
         while pos < total:
-            step = min(max_chunk, total - pos)
-            if sj is not None:
-                step = min(step, sj.sjkv.chunk_limit(0))
-            logits = model(ids[:, pos : pos + step], cache=cache, use_cache=True).logits[0]
+            step = replay.step(pos)
             first = max(pos, score_from - 1)
             last = min(pos + step, total - 1)
-            if first < last:
-                out.append(_logprobs(logits[first - pos : last - pos]))
-                if sj is not None:
-                    bit_sum += sj.sjkv.memory()["effective_bits"] * (last - first)
+            scored = max(last - first, 0)
+            logp = replay.forward(ids[:, pos : pos + step], pos + step - first if scored else 0)
+            if scored:
+                out.append(logp[:scored])
+                bit_sum += replay.effective_bits() * scored
             pos += step
     logp = torch.cat(out)
-    if sj is not None:
-        bits = bit_sum / logp.shape[0]
-        mem = sj.sjkv.memory()
-        # The layers that hold tokens: the journal's other layers are allocated but unused.
-        allocated = float(mem["in_use_bytes"])
-        values = mem["in_use_layers"] * geo.kv_heads * geo.head_dim * 2 * total
-        if info is not None:
-            held = mem["sealed_tokens"] + mem["ring_tokens"] + mem["sink_tokens"]
-            info["sealed_fraction"] = mem["sealed_tokens"] / max(held, 1)
-            picks = sj.sjkv.staging_report()
-            if any(p is not None for p in picks):
-                info["staging_picks"] = [p and p["k"] + "/" + p["v"] for p in picks]
-    else:
-        allocated = bits * values_per_token * total / 8
-        values = values_per_token * total
-    if info is not None:
-        info["allocated_bits"] = allocated * 8 / max(values, 1)
-    return logp, bits, allocated
+    bits = bit_sum / logp.shape[0] if replay.sj is not None else replay.bits
+    return logp, bits, replay.allocated(info)
 
 
 @dataclass

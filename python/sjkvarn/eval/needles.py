@@ -28,41 +28,107 @@ COLOURS = ["amber", "cobalt", "crimson", "jade", "ivory", "violet", "saffron", "
 class NeedleSettings(evaluation.ArmSettings):
     context_tokens: int = 1536
     distances: tuple[int, ...] = (128, 384, 768, 1280)
+    # "single": one fact per sequence; "shared": every distance's fact in one sequence of
+    # ``context_tokens``, the questions asked one after another at its end (one long prefill
+    # per haystack instead of one per distance: what makes 2K-28K distances affordable).
+    layout: str = "single"
+
+
+@dataclass
+class Answer:
+    nominal: int  # the settings' distance: from the fact's end to the question block
+    distance: int  # tokens from the end of the fact to the start of its own question
+    fact_end: int  # position just after the fact
+    start: int  # position of the first answer token
+    gold: torch.Tensor
 
 
 @dataclass
 class Case:
     haystack: int
-    distance: int
     ids: torch.Tensor
-    answer_from: int
-    gold: torch.Tensor
+    answers: list[Answer]
+
+
+@dataclass
+class _Needle:
+    fact: list[int]
+    question: list[int]
+    answer: list[int]
+
+
+def _needle(enc: Any, colour: str, number: int) -> _Needle:
+    return _Needle(
+        enc(f"\n# Note: the access code for the {colour} vault is {number}.\n"),
+        enc(
+            f"\n# Question: what is the access code for the {colour} vault?\n"
+            f"# Answer: the access code for the {colour} vault is"
+        ),
+        enc(f" {number}"),
+    )
 
 
 def build_cases(tokenizer: Any, haystacks: list[History], s: NeedleSettings) -> list[Case]:
+    if s.layout not in ("single", "shared"):
+        raise ValueError(f"layout must be 'single' or 'shared', got {s.layout!r}")
     rng = np.random.default_rng(s.seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     cases = []
     for h, hay in enumerate(haystacks):
         body = enc(hay.text)
-        for i, distance in enumerate(s.distances):
+        needles = []
+        for i in range(len(s.distances)):
             colour = COLOURS[(h * len(s.distances) + i) % len(COLOURS)]
-            number = int(rng.integers(1000, 9999))
-            fact = enc(f"\n# Note: the access code for the {colour} vault is {number}.\n")
-            question = enc(
-                f"\n# Question: what is the access code for the {colour} vault?\n"
-                f"# Answer: the access code for the {colour} vault is"
-            )
-            answer = enc(f" {number}")
-            filler = s.context_tokens - len(fact) - len(question) - len(answer)
-            if distance + len(fact) > filler or len(body) < filler:
-                raise ValueError(f"context {s.context_tokens} is too short for distance {distance}")
-            before = filler - distance
-            ids = body[:before] + fact + body[before:filler] + question + answer
-            cases.append(
-                Case(h, distance, torch.tensor([ids]), len(ids) - len(answer), torch.tensor(answer))
-            )
+            needles.append(_needle(enc, colour, int(rng.integers(1000, 9999))))
+        if s.layout == "single":
+            for d, n in zip(s.distances, needles, strict=True):
+                cases.append(_assemble(h, body, [(d, n)], s.context_tokens))
+        else:
+            # Farthest first, so that no fact sits inside a later question block.
+            pairs = sorted(zip(s.distances, needles, strict=True), key=lambda p: -p[0])
+            cases.append(_assemble(h, body, pairs, s.context_tokens))
     return cases
+
+
+def _assemble(h: int, body: list[int], pairs: list[tuple[int, _Needle]], context: int) -> Case:
+    """Haystack text with each fact ending ``distance`` tokens before the question block, then
+    every question with its answer. The distance is counted to the block's start; a later
+    question's own distance is longer by the question blocks before it (recorded exactly)."""
+    qa = [tok for _, n in pairs for tok in n.question + n.answer]
+    filler = context - len(qa) - sum(len(n.fact) for _, n in pairs)
+    if len(body) < filler:
+        raise ValueError(f"haystack {h} has {len(body)} tokens; {filler} needed")
+    ids: list[int] = []
+    taken = 0  # haystack tokens used so far
+    for distance, n in pairs:  # farthest first
+        later_facts = sum(len(m.fact) for d, m in pairs if d < distance)
+        cut = filler - distance + later_facts
+        if cut < taken:
+            raise ValueError(f"context {context} is too short for distance {distance}")
+        ids += body[taken:cut] + n.fact
+        taken = cut
+    ids += body[taken:filler]
+    fact_ends = []
+    at = 0
+    for _, n in pairs:
+        at = _find(ids, n.fact, at) + len(n.fact)
+        fact_ends.append(at)
+    answers = []
+    for (nominal, n), fact_end in zip(pairs, fact_ends, strict=True):
+        question_at = len(ids)
+        ids += n.question
+        answers.append(
+            Answer(nominal, question_at - fact_end, fact_end, len(ids), torch.tensor(n.answer))
+        )
+        ids += n.answer
+    return Case(h, torch.tensor([ids]), answers)
+
+
+def _find(seq: list[int], part: list[int], start: int) -> int:
+    for i in range(start, len(seq) - len(part) + 1):
+        if seq[i : i + len(part)] == part:
+            return i
+    raise AssertionError("a fact that was placed is missing")
 
 
 def evaluate_needles(
@@ -76,22 +142,33 @@ def evaluate_needles(
     outer: list[int] = []
     inner: list[int] = []
     dist: list[int] = []
+    actual: dict[int, list[int]] = {d: [] for d in s.distances}
     bar = tqdm(total=len(cases) * (len(arms) + 1), disable=not progress, unit="run")
+
+    def rows(logp: torch.Tensor, first: int, a: Answer) -> torch.Tensor:
+        # log-probs row r predicts token first + r; the answer's tokens start at a.start
+        return logp[a.start - first : a.start - first + len(a.gold)]
+
     for c_idx, case in enumerate(cases):
-        bar.set_description(f"needle {c_idx} (distance {case.distance}): exact")
-        ref, _, _ = evaluation.run_sequence(model, case.ids, case.answer_from, None)
+        first = min(a.start for a in case.answers)
+        bar.set_description(f"haystack {case.haystack} case {c_idx}: exact")
+        ref, _, _ = evaluation.run_sequence(model, case.ids, first, None)
         bar.update()
-        n = ref.shape[0]
-        outer.extend([case.haystack] * n)
-        inner.extend([c_idx] * n)
-        dist.extend([case.distance] * n)
+        for a in case.answers:
+            k = len(a.gold)
+            outer.extend([case.haystack] * k)
+            inner.extend([len(set(inner))] * k)  # one cluster per needle
+            dist.extend([a.nominal] * k)
+            actual[a.nominal].append(a.distance)
         for arm in arms:
-            bar.set_description(f"needle {c_idx} (distance {case.distance}): {arm.name}")
+            bar.set_description(f"haystack {case.haystack} case {c_idx}: {arm.name}")
             start = time.perf_counter()
-            logp, _, _ = evaluation.run_sequence(model, case.ids, case.answer_from, arm)
+            logp, _, _ = evaluation.run_sequence(model, case.ids, first, arm)
             seconds[arm.name] += time.perf_counter() - start
-            kl[arm.name].extend(stats.kl_per_position(ref, logp).tolist())
-            hit[arm.name].extend((logp.argmax(-1) == case.gold).tolist())
+            for a in case.answers:
+                q, p = rows(logp, first, a), rows(ref, first, a)
+                kl[arm.name].extend(stats.kl_per_position(p, q).tolist())
+                hit[arm.name].extend((q.argmax(-1) == a.gold).tolist())
             bar.update()
     bar.close()
     base = np.array(kl[s.baseline])
@@ -101,6 +178,7 @@ def evaluate_needles(
         "task": "needles",
         "haystacks": [h.name for h in haystacks],
         "environment": evaluation.environment(haystacks),
+        "distances_measured": {int(k): v for k, v in actual.items() if v},
         "arms": {},
     }
     for name in kl:
