@@ -183,9 +183,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # The method's own tails: sealed records hold most of a 12K history.
         sj_tail, kvarn_tail = (4096, 8192), 1024
     else:
-        scale = args.history_tokens / 1024
-        sj_tail = (max(128, int(128 * scale)), max(256, int(256 * scale)))
-        kvarn_tail = max(64, int(64 * scale))
+        sj_tail, kvarn_tail = scaled_tails(args.history_tokens)
     settings = evaluation.EvalSettings(
         history_tokens=args.history_tokens,
         scored_tokens=args.scored_tokens,
@@ -207,6 +205,13 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(evaluation.render_table(report))
     print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'kl_vs_bits.png'}")
     return 0
+
+
+def scaled_tails(tokens: int) -> tuple[tuple[int, int], int]:
+    """SJ-KVaRN's min/max tail and KVarN's exact tail scaled to a context shorter than the
+    method's (128/256 and 64 at 1,024 tokens; 4,096/8,192 and 1,024 at full scale)."""
+    scale = tokens / 1024
+    return (max(128, int(128 * scale)), max(256, int(256 * scale))), max(64, int(64 * scale))
 
 
 def merge_results(args: argparse.Namespace) -> int:
@@ -294,7 +299,7 @@ def run_positions(args: argparse.Namespace, net: object, tok: object, hist: list
     from sjkvarn.eval import positions
 
     c = args.context_tokens
-    scale = c / 1024
+    sj_tail, kvarn_tail = scaled_tails(c)
     settings = positions.PositionSettings(
         context_tokens=c,
         bin_tokens=args.bin_tokens,
@@ -302,8 +307,8 @@ def run_positions(args: argparse.Namespace, net: object, tok: object, hist: list
         baseline=args.baseline,
         arms=args.arms,
         preset=args.preset,
-        sj_tail=(max(128, int(128 * scale)), max(256, int(256 * scale))),
-        kvarn_tail=max(64, int(64 * scale)),
+        sj_tail=sj_tail,
+        kvarn_tail=kvarn_tail,
     )
     try:
         report, kl = positions.evaluate_positions(net, tok, hist[0], settings)

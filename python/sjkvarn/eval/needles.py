@@ -99,6 +99,7 @@ def _assemble(h: int, body: list[int], pairs: list[tuple[int, _Needle]], context
     if len(body) < filler:
         raise ValueError(f"haystack {h} has {len(body)} tokens; {filler} needed")
     ids: list[int] = []
+    fact_ends = []
     taken = 0  # haystack tokens used so far
     for distance, n in pairs:  # farthest first
         later_facts = sum(len(m.fact) for d, m in pairs if d < distance)
@@ -106,13 +107,9 @@ def _assemble(h: int, body: list[int], pairs: list[tuple[int, _Needle]], context
         if cut < taken:
             raise ValueError(f"context {context} is too short for distance {distance}")
         ids += body[taken:cut] + n.fact
+        fact_ends.append(len(ids))
         taken = cut
     ids += body[taken:filler]
-    fact_ends = []
-    at = 0
-    for _, n in pairs:
-        at = _find(ids, n.fact, at) + len(n.fact)
-        fact_ends.append(at)
     answers = []
     for (nominal, n), fact_end in zip(pairs, fact_ends, strict=True):
         question_at = len(ids)
@@ -122,13 +119,6 @@ def _assemble(h: int, body: list[int], pairs: list[tuple[int, _Needle]], context
         )
         ids += n.answer
     return Case(h, torch.tensor([ids]), answers)
-
-
-def _find(seq: list[int], part: list[int], start: int) -> int:
-    for i in range(start, len(seq) - len(part) + 1):
-        if seq[i : i + len(part)] == part:
-            return i
-    raise AssertionError("a fact that was placed is missing")
 
 
 def evaluate_needles(
@@ -143,6 +133,7 @@ def evaluate_needles(
     inner: list[int] = []
     dist: list[int] = []
     actual: dict[int, list[int]] = {d: [] for d in s.distances}
+    needle = 0  # one cluster per needle
     bar = tqdm(total=len(cases) * (len(arms) + 1), disable=not progress, unit="run")
 
     def rows(logp: torch.Tensor, first: int, a: Answer) -> torch.Tensor:
@@ -157,7 +148,8 @@ def evaluate_needles(
         for a in case.answers:
             k = len(a.gold)
             outer.extend([case.haystack] * k)
-            inner.extend([len(set(inner))] * k)  # one cluster per needle
+            inner.extend([needle] * k)
+            needle += 1
             dist.extend([a.nominal] * k)
             actual[a.nominal].append(a.distance)
         for arm in arms:
