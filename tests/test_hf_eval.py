@@ -204,7 +204,7 @@ def test_shared_needles_put_every_distance_in_one_sequence(model_and_tokenizer) 
     ids = case.ids[0].tolist()
     assert len(ids) == 720
     assert [a.nominal for a in case.answers] == [500, 250, 60]  # asked farthest first
-    block = min(a.start - len(a.gold) for a in case.answers)  # after the first question
+    asked_before = 0  # question and answer tokens of the questions asked earlier
     for a in case.answers:
         number = tok.decode(a.gold.tolist()).strip()
         assert ids[a.start : a.start + len(a.gold)] == a.gold.tolist()
@@ -213,7 +213,8 @@ def test_shared_needles_put_every_distance_in_one_sequence(model_and_tokenizer) 
         assert question.startswith("\n# Question: what is the access code for the")
         colour = question.split("for the ")[1].split(" vault")[0]
         assert f"{colour} vault is {number}." in tok.decode(ids[: a.fact_end])
-        assert a.nominal <= a.distance < a.nominal + block  # plus the questions asked before
+        assert a.distance == a.nominal + asked_before
+        asked_before += a.start + len(a.gold) - (a.fact_end + a.distance)
     report = needles.evaluate_needles(net, tok, [histories.coding()], s, progress=False)
     assert report["distances_measured"] == {a.nominal: [a.distance] for a in case.answers}
     fp16, q4 = report["arms"]["fp16"], report["arms"]["q4_0/q4_0"]
