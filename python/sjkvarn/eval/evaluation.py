@@ -77,6 +77,24 @@ def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
     ]
 
 
+# The main job's arms (`sjkvarn`, `--preset main`): the question the method answers (SJ-KVaRN
+# against paper-faithful KVarN with and without its exact tail), its smaller trellis body and
+# the 8-bit format people run today, at the seed's tails. Five replays of 16K tokens per history
+# is what fits the main job's 15 minutes on two cores.
+MAIN_ARMS = (
+    "KVarN 4/4 tail 0",
+    "KVarN 4/4 tail 1024",
+    "SJ-KVaRN 4/4",
+    "SJ-KVaRN 3/2t",
+    "q8_0/q8_0",
+)
+
+
+def main_arms() -> list[Arm]:
+    """The main job's arms, a subset of the seed arms (same tails and settings)."""
+    return [a for a in seed_arms() if a.name in MAIN_ARMS]
+
+
 def seed_arms() -> list[Arm]:
     """The seed-scale arms (`--preset seed`): the real 4,096/8,192 SJ-KVaRN tails, paper-faithful
     KVarN with tail 0 and with its 1,024-token tail, and the flat formats people use."""
@@ -309,12 +327,14 @@ class ArmSettings:
     kvarn_tail: int = 64
     bootstrap: int = 2000
     arms: list[str] | None = None
-    preset: str = "default"
+    preset: str = "small"
 
     def select_arms(self) -> list[Arm]:
         """The preset's arms, or the named subset plus the baseline."""
         if self.preset == "seed":
             arms = seed_arms()
+        elif self.preset == "main":
+            arms = main_arms()
         else:
             arms = default_arms(self.sj_tail, self.kvarn_tail)
         if self.arms:
@@ -543,7 +563,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         (
             "The method's own tails: SJ-KVaRN min/max tail 4,096/8,192, paper-faithful KVarN "
             "exact tail 0 and 1,024 after the 128-token sink."
-            if s.get("preset") == "seed"
+            if s.get("preset") in ("seed", "main")
             else f"Tails scaled to this context: SJ-KVaRN min/max tail {s['sj_tail'][0]}/"
             f"{s['sj_tail'][1]} (4,096/8,192 at full scale), paper-faithful KVarN exact tail 0 "
             f"and {s['kvarn_tail']} (1,024 at full scale) after the 128-token sink."

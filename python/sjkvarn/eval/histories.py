@@ -121,6 +121,12 @@ def seed_scale() -> list[History]:
     return [long_coding(), long_prose(), long_docs(), long_agentic()]
 
 
+def main_job() -> list[History]:
+    """The main job's histories (`sjkvarn`, `--preset main`): code and a tool-call transcript,
+    the two kinds of context a serving engineer's long prompts are made of."""
+    return [long_coding(), long_agentic()]
+
+
 def from_file(path: str | Path) -> History:
     p = Path(path)
     return History(p.stem, p.read_text(encoding="utf-8", errors="replace"))
