@@ -111,3 +111,10 @@ def test_the_library_needs_numpy_only() -> None:
     assert done.returncode == 0, done.stderr
     assert "library ok without torch" in done.stdout
     assert "pip install 'sjkvarn[eval]'" in done.stderr
+
+
+def test_eval_threads_must_be_positive() -> None:
+    if cli.missing_eval_packages():
+        pytest.skip("the eval extra is not installed")
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--threads", "0"])

@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         "--bin-tokens", type=int, default=1024, help="positions: tokens per reported bin"
     )
     ev.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch and sjkvarn's attention (default: all cores); the figures "
+        "move slightly with it, the report records it",
+    )
+    ev.add_argument(
         "--merge",
         nargs="+",
         metavar="RESULTS_JSON",
@@ -170,6 +177,10 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.merge:
         return merge_results(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        set_threads(args.threads)
     # main and seed: the method's own regime (Gemma 3 270M, the real tails, long contexts)
     long = args.preset != "small"
     model, history_tokens, scored_tokens = PRESETS[args.preset]
@@ -228,6 +239,17 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(evaluation.render_table(report))
     print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'kl_vs_bits.png'}")
     return 0
+
+
+def set_threads(n: int) -> None:
+    """Runs torch and sjkvarn's attention on ``n`` threads. sjkvarn's pool reads
+    ``RAYON_NUM_THREADS`` when it first starts, which is after this (no attention has run yet)."""
+    import os
+
+    import torch
+
+    os.environ["RAYON_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
 
 
 def scaled_tails(tokens: int) -> tuple[tuple[int, int], int]:

