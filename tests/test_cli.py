@@ -118,3 +118,18 @@ def test_eval_threads_must_be_positive() -> None:
         pytest.skip("the eval extra is not installed")
     with pytest.raises(SystemExit):
         cli.main(["eval", "--threads", "0"])
+
+
+def test_eval_names_unknown_histories_before_loading_a_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if cli.missing_eval_packages():
+        pytest.skip("the eval extra is not installed")
+
+    def no_model(*a: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load", no_model)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--histories", "code", "novel"])
+    assert "unknown histories ['novel']" in capsys.readouterr().err

@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
     ev.add_argument(
+        "--histories",
+        nargs="+",
+        default=None,
+        help="run only these of the preset's histories (main: code tool-calls; seed: code "
+        "prose docs tool-calls; small: coding prose agentic)",
+    )
+    ev.add_argument(
         "--preset",
         choices=list(PRESETS),
         default="main",
@@ -183,6 +190,9 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         set_threads(args.threads)
     # main and seed: the method's own regime (Gemma 3 270M, the real tails, long contexts)
     long = args.preset != "small"
+    if args.task != "kl" and long:
+        # the long needle and position tasks are the same under main and seed
+        args.preset = "seed"
     model, history_tokens, scored_tokens = PRESETS[args.preset]
     if args.history_tokens is None:
         args.history_tokens = history_tokens
@@ -190,7 +200,6 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.scored_tokens = scored_tokens
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
-    net, tok = models.load(args.model or model)
     if args.text:
         hist = [histories.from_file(p) for p in args.text]
     else:
@@ -199,11 +208,14 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "seed": histories.seed_scale,
             "small": histories.defaults,
         }[args.preset]()
+    if args.histories:
+        unknown = set(args.histories) - {h.name for h in hist}
+        if unknown:
+            parser.error(f"unknown histories {sorted(unknown)}; known: {[h.name for h in hist]}")
+        hist = [h for h in hist if h.name in args.histories]
+    net, tok = models.load(args.model or model)
     if args.context_tokens is None:
         args.context_tokens = 30720 if long else {"needles": 1536}.get(args.task, 4096)
-    if args.task != "kl" and long:
-        # the long needle and position tasks are the same under main and seed
-        args.preset = "seed"
     if args.task != "kl" and args.arms is None and long:
         # every seed arm at 30K tokens would take hours here: the ones the question is about
         from sjkvarn.eval import positions
