@@ -133,3 +133,15 @@ def test_eval_names_unknown_histories_before_loading_a_model(
     with pytest.raises(SystemExit):
         cli.main(["eval", "--histories", "code", "novel"])
     assert "unknown histories ['novel']" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_context_longer_than_the_model_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The main preset's 16K histories do not fit SmolLM2's 8,192 positions: a clear message
+    instead of a failure deep inside the model."""
+    if cli.missing_eval_packages() or importlib.util.find_spec(models.DEFAULT_PACKAGE) is None:
+        pytest.skip("the eval extra or the SmolLM2 wheel is not installed")
+    assert cli.main(["eval", "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "16640 positions needed but the model takes at most 8192" in err

@@ -216,6 +216,15 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     net, tok = models.load(args.model or model)
     if args.context_tokens is None:
         args.context_tokens = 30720 if long else {"needles": 1536}.get(args.task, 4096)
+    need = args.context_tokens if args.task != "kl" else args.history_tokens + args.scored_tokens
+    limit = getattr(net.config, "max_position_embeddings", None)
+    if limit is not None and need > limit:
+        print(
+            f"sjkvarn eval: {need} positions needed but the model takes at most {limit} "
+            "(--history-tokens/--scored-tokens or --context-tokens set the length)",
+            file=sys.stderr,
+        )
+        return 2
     if args.task != "kl" and args.arms is None and long:
         # every seed arm at 30K tokens would take hours here: the ones the question is about
         from sjkvarn.eval import positions
