@@ -145,3 +145,22 @@ def test_eval_refuses_a_context_longer_than_the_model_takes(
     assert cli.main(["eval", "--model", "smollm2"]) == 2
     err = capsys.readouterr().err
     assert "16640 positions needed but the model takes at most 8192" in err
+
+
+def test_main_preset_runs_seed_arms_with_the_real_tails() -> None:
+    """The main job's arms are seed arms unchanged (the 4,096/8,192 SJ-KVaRN tails, KVarN tail
+    0 as the baseline) on Gemma 3 270M."""
+    if cli.missing_eval_packages():
+        pytest.skip("the eval extra is not installed")
+    from sjkvarn.eval import evaluation
+
+    arms = evaluation.EvalSettings(preset="main").select_arms()
+    assert [a.name for a in arms] == list(evaluation.MAIN_ARMS)
+    seed = {a.name: a for a in evaluation.seed_arms()}
+    assert all(a == seed[a.name] for a in arms)
+    sj = next(a for a in arms if a.name == "SJ-KVaRN 4/4")
+    assert sj.journal is not None and (sj.journal["min_tail"], sj.journal["max_tail"]) == (
+        4096,
+        8192,
+    )
+    assert "KVarN 4/4 tail 0" in evaluation.MAIN_ARMS and cli.PRESETS["main"][0] == "gemma3"
