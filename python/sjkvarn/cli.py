@@ -22,7 +22,7 @@ MODEL_HELP = "gemma3 (main and seed presets), smollm2 (small), a GGUF file or a 
 # What each preset runs on unless told otherwise: model, history and scored tokens, histories.
 PRESETS = {
     # 16,640 = the 128-token sink + 8,320 sealed tokens + a full 8,192-token ring: the third
-    # seal comes with the first scored chunk, so the scored positions see ~72% of it sealed.
+    # seal comes with the first scored chunk, so the scored positions see ~73% of it sealed.
     "main": ("gemma3", 16640, 256),
     "small": ("smollm2", 1024, 128),
     "seed": ("gemma3", 12288, 256),
