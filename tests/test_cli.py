@@ -144,7 +144,7 @@ def test_eval_refuses_a_context_longer_than_the_model_takes(
         pytest.skip("the eval extra or the SmolLM2 wheel is not installed")
     assert cli.main(["eval", "--model", "smollm2"]) == 2
     err = capsys.readouterr().err
-    assert "16640 positions needed but the model takes at most 8192" in err
+    assert "16896 positions needed but the model takes at most 8192" in err
 
 
 def test_main_preset_runs_seed_arms_with_the_real_tails() -> None:
