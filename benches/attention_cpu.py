@@ -5,9 +5,12 @@ decode query is timed, alternating in one process between: sjkvarn `Cache.attend
 over the same K/V in float32 and in bfloat16 with the query heads of a KV head folded into the
 query axis (GQA: each K/V row is read once, as sjkvarn reads it); and a plain read of as many
 bytes as sjkvarn's call touches (sink + the records it scores + the ring rows: the bandwidth
-limit). Each thread count runs in its own process (`RAYON_NUM_THREADS`, `torch.set_num_threads`,
-and `OMP_WAIT_POLICY=PASSIVE` so that idle OpenMP threads do not spin on the second core).
-Reports medians and ratios from that one alternating run.
+limit). The thread counts alternate in the same loop, call by call (`Cache.attend(threads=N)`
+and `torch.set_num_threads(N)` before each torch call), in one process started with the largest
+count (`RAYON_NUM_THREADS`, and `OMP_WAIT_POLICY=PASSIVE` so that idle OpenMP threads do not spin
+on the second core): this guest's speed wanders by 20-40% between minutes, so thread counts
+timed minutes apart in separate processes gave speed-ups that moved by as much. Reports medians
+and ratios from that one alternating run.
 
 Usage: python benches/attention_cpu.py [--tokens 4096 16384 32768 65536] [--threads 1 2]
            [--geometry 24/4/256 9/3/64] [--bodies 4/4 3/2t] [--repeats 15]
@@ -31,7 +34,6 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
 
     import sjkvarn
 
-    torch.set_num_threads(args.threads[0])
     rows = []
     for geometry in args.geometry:
         qh, kvh, d = (int(x) for x in geometry.split("/"))
@@ -71,32 +73,36 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                 raw = torch.rand(max(read // 4, 1), generator=gen)  # float32: a vectorised sum
                 sdpa = torch.nn.functional.scaled_dot_product_attention
                 calls = {
-                    "sjkvarn": lambda: cache.attend(0, q),  # noqa: B023
-                    "sdpa_fp32": lambda: sdpa(qf, kf, vf),  # noqa: B023
-                    "sdpa_bf16": lambda: sdpa(qb, kbf, vbf),  # noqa: B023
-                    "read_bytes": lambda: raw.sum(),  # noqa: B023
+                    "sjkvarn": lambda t: cache.attend(0, q, threads=t),  # noqa: B023
+                    "sdpa_fp32": lambda t: sdpa(qf, kf, vf),  # noqa: B023
+                    "sdpa_bf16": lambda t: sdpa(qb, kbf, vbf),  # noqa: B023
+                    "read_bytes": lambda t: raw.sum(),  # noqa: B023
                 }
-                times: dict[str, list[float]] = {name: [] for name in calls}
-                for fn in calls.values():
-                    fn()
+                runs = [(t, name) for t in args.threads for name in calls]
+                times: dict[tuple[int, str], list[float]] = {run: [] for run in runs}
+                for t, name in runs:
+                    torch.set_num_threads(t)
+                    calls[name](t)
                 for _ in range(args.repeats):
-                    for name, fn in calls.items():
+                    for t, name in runs:
+                        torch.set_num_threads(t)
                         start = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - start)
-                med = {name: statistics.median(t) for name, t in times.items()}
-                rows.append(
-                    dict(
-                        geometry=geometry,
-                        body=body_name,
-                        tokens=n,
-                        threads=args.threads[0],
-                        bytes_read=read,
-                        bits_per_value=m["effective_bits"],
-                        **{f"{name}_ms": 1e3 * t for name, t in med.items()},
+                        calls[name](t)
+                        times[(t, name)].append(time.perf_counter() - start)
+                for t in args.threads:
+                    med = {name: statistics.median(times[(t, name)]) for name in calls}
+                    rows.append(
+                        dict(
+                            geometry=geometry,
+                            body=body_name,
+                            tokens=n,
+                            threads=t,
+                            bytes_read=read,
+                            bits_per_value=m["effective_bits"],
+                            **{f"{name}_ms": 1e3 * ms for name, ms in med.items()},
+                        )
                     )
-                )
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -113,23 +119,24 @@ def main() -> int:
     if args.worker:
         print(json.dumps(_one_process(args)))
         return 0
-    rows: list[dict[str, object]] = []
-    for threads in args.threads:
-        argv = [sys.argv[0], "--worker", "--threads", str(threads), "--repeats", str(args.repeats)]
-        argv += ["--tokens", *map(str, args.tokens), "--geometry", *args.geometry]
-        argv += ["--bodies", *args.bodies]
-        # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin for a while after
-        # each SDPA call and take the core that sjkvarn's second thread is about to use.
-        env = dict(
-            os.environ,
-            RAYON_NUM_THREADS=str(threads),
-            OMP_NUM_THREADS=str(threads),
-            OMP_WAIT_POLICY="PASSIVE",
-        )
-        done = subprocess.run(
-            [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True
-        )
-        rows += json.loads(done.stdout)
+    if min(args.threads) < 1:
+        p.error("--threads must be at least 1")
+    most = max(args.threads)
+    argv = [sys.argv[0], "--worker", "--threads", *map(str, args.threads)]
+    argv += ["--repeats", str(args.repeats), "--tokens", *map(str, args.tokens)]
+    argv += ["--geometry", *args.geometry, "--bodies", *args.bodies]
+    # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin for a while after
+    # each SDPA call and take the core that sjkvarn's second thread is about to use.
+    env = dict(
+        os.environ,
+        RAYON_NUM_THREADS=str(most),
+        OMP_NUM_THREADS=str(most),
+        OMP_WAIT_POLICY="PASSIVE",
+    )
+    done = subprocess.run(
+        [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True
+    )
+    rows: list[dict[str, object]] = json.loads(done.stdout)
     print(
         f"{'geometry':>9} {'body':>5} {'tokens':>7} {'thr':>3} {'sjkvarn ms':>10} "
         f"{'fp32 ms':>8} {'bf16 ms':>8} {'read ms':>8} {'/fp32':>6} {'/bf16':>6} "

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from sjkvarn import Cache, Config
 
@@ -134,3 +135,19 @@ def test_one_cache_shared_by_threads_serialises_its_calls() -> None:
     for f in forks[:3]:
         f.truncate(0)  # forks stay independent of the shared parent
     assert shared.length(0) == 640
+
+
+def test_attend_thread_limit_gives_the_same_result_and_checks_its_value() -> None:
+    cache = Cache(config())
+    for start in range(0, 1024, 128):
+        cache.append(0, rows(128, start), rows(128, start + 1))
+    for n in (1, 5):
+        q = queries(n, 7)
+        want = cache.attend(0, q)
+        for threads in (1, 2, 64):
+            np.testing.assert_array_equal(cache.attend(0, q, threads=threads), want)
+    length = cache.length(0)
+    for bad, kind in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(kind, match="threads"):
+            cache.attend(0, queries(1, 7), threads=bad)  # type: ignore[arg-type]
+    assert cache.length(0) == length

@@ -309,14 +309,26 @@ class Cache:
             return
         self._core.append(_layer(layer), _exportable(k), _exportable(v), bool(rotated))
 
-    def attend(self, layer: int, q: Any, *, scale: float | None = None) -> Any:
+    def attend(
+        self, layer: int, q: Any, *, scale: float | None = None, threads: int | None = None
+    ) -> Any:
         """Attention of the newest ``tokens`` positions' queries ``[tokens, q_heads, head_dim]``.
 
         Row ``i`` sits at position ``length - tokens + i`` and sees positions up to its own.
-        Returns a tensor of ``q``'s kind and dtype (computed in float32).
+        Returns a tensor of ``q``'s kind and dtype (computed in float32). ``threads`` caps the
+        CPU threads of this call (the calling thread and the pool's workers, at most
+        ``RAYON_NUM_THREADS``; ``1``: the calling thread alone); the result does not depend
+        on it. CPU caches only.
         """
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise TypeError(f"threads must be an int, got {type(threads).__name__}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
         if self.is_cuda:
             import torch
+
+            if threads is not None:
+                raise ValueError("threads applies to CPU caches; this cache is on CUDA")
 
             q32 = self._cuda_f32(q, "q")
             out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
@@ -327,11 +339,11 @@ class Cache:
             import torch
 
             out = torch.empty(tuple(q.shape), dtype=torch.float32)
-            self._core.attend_into(_layer(layer), q, out, scale)
+            self._core.attend_into(_layer(layer), q, out, scale, threads)
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         shape = tuple(np.shape(q))
         out_np = np.empty(shape, dtype=np.float32)
-        self._core.attend_into(_layer(layer), q, out_np, scale)
+        self._core.attend_into(_layer(layer), q, out_np, scale, threads)
         return out_np
 
     def truncate(self, n: int) -> int:

@@ -6,7 +6,7 @@ use crate::errors::{self, invalid};
 use crate::shared::Shared;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use sjkvarn::cache::attention::attend;
+use sjkvarn::cache::attention::attend_with_threads;
 use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,
@@ -320,8 +320,8 @@ impl Cache {
     }
 
     /// Attention of `q` `[tokens, q_heads, head_dim]` (the newest `tokens` positions) into `out`
-    /// (float32, same shape).
-    #[pyo3(signature = (layer, q, out, scale=None))]
+    /// (float32, same shape), on at most `threads` threads.
+    #[pyo3(signature = (layer, q, out, scale=None, threads=None))]
     fn attend_into(
         &self,
         py: Python<'_>,
@@ -329,6 +329,7 @@ impl Cache {
         q: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         scale: Option<f32>,
+        threads: Option<usize>,
     ) -> PyResult<()> {
         self.check_layer(layer)?;
         let qh = read_f32(q, "q")?;
@@ -336,7 +337,7 @@ impl Cache {
         let qv = &qh.values;
         let result = self
             .seq
-            .with(py, |s| attend(s, layer, qv, scale))?
+            .with(py, |s| attend_with_threads(s, layer, qv, scale, threads))?
             .map_err(err)?;
         with_f32_out(out, "out", |o, shape| {
             if shape != qh.shape.as_slice() {

@@ -27,7 +27,6 @@ use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
 use crate::simd::{simd_level, Ahead, SimdLevel};
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
@@ -710,16 +709,35 @@ pub fn attend(
     q: &[f32],
     scale: Option<f32>,
 ) -> CacheResult<Vec<f32>> {
-    attend_at(simd_level(), seq, layer, q, scale)
+    attend_at(simd_level(), seq, layer, q, scale, None)
 }
 
-/// [`attend`] with the hot loops compiled for `level` (at most the detected level).
+/// [`attend`] on at most `threads` threads (the caller and rayon's workers; never more than
+/// the pool has): `Some(1)` runs on the calling thread alone. For a server that shares its
+/// cores between attention and other work, and for benchmarks that compare thread counts
+/// side by side in one process. The result is the same for every thread count.
+pub fn attend_with_threads(
+    seq: &Sequence,
+    layer: usize,
+    q: &[f32],
+    scale: Option<f32>,
+    threads: Option<usize>,
+) -> CacheResult<Vec<f32>> {
+    if threads == Some(0) {
+        return Err(crate::CodecError::InvalidSetting("threads must be at least 1".into()).into());
+    }
+    attend_at(simd_level(), seq, layer, q, scale, threads)
+}
+
+/// [`attend`] with the hot loops compiled for `level` (at most the detected level), on at
+/// most `threads` threads.
 fn attend_at(
     level: SimdLevel,
     seq: &Sequence,
     layer: usize,
     q: &[f32],
     scale: Option<f32>,
+    threads: Option<usize>,
 ) -> CacheResult<Vec<f32>> {
     let cfg = seq.config();
     let (qh, kvh, d) = (cfg.q_heads, cfg.kv_heads, cfg.head_dim);
@@ -796,6 +814,7 @@ fn attend_at(
             // One item per (head, chunk), head-major; the caller works on them too.
             let parts: Vec<CacheResult<Vec<Softmax>>> = run_items(
                 kvh * chunks,
+                threads,
                 || Lease::take(&codec, d, r),
                 |lease, item| {
                     let (h, c) = (item / chunks, item % chunks);
@@ -816,10 +835,12 @@ fn attend_at(
                 })
                 .collect()
         } else {
-            (0..kvh)
-                .into_par_iter()
-                .map(|h| {
-                    let mut lease = Lease::take(&codec, d, r);
+            // One item per head, its chunks in order.
+            run_items(
+                kvh,
+                threads,
+                || Lease::take(&codec, d, r),
+                |lease, h| {
                     let (sc, reader) = lease.parts();
                     let mut merged = vec![Softmax::new(d); n * gs];
                     let mut part = vec![Softmax::new(d); n * gs];
@@ -829,8 +850,8 @@ fn attend_at(
                         merge_states(&mut merged, &part);
                     }
                     Ok(merged)
-                })
-                .collect()
+                },
+            )
         };
 
     // Normalise and rotate the value sums back to the model frame: [n][q_heads][head_dim].
@@ -886,9 +907,9 @@ mod tests {
             assert!(seq.memory().sealed_tokens > 2 * CHUNK);
             for rows in [1usize, 37] {
                 let q = rng.gaussians(rows * 8 * 128);
-                let want = attend_at(SimdLevel::Portable, &seq, 0, &q, None).unwrap();
+                let want = attend_at(SimdLevel::Portable, &seq, 0, &q, None, None).unwrap();
                 for &level in &levels {
-                    let got = attend_at(level, &seq, 0, &q, None).unwrap();
+                    let got = attend_at(level, &seq, 0, &q, None, None).unwrap();
                     let same = want
                         .iter()
                         .zip(&got)
@@ -945,5 +966,47 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// Any thread limit gives the bits of the unlimited call, and a limit of zero is refused.
+    #[test]
+    fn every_thread_limit_gives_the_same_bits() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let mut c = CacheConfig::uniform(1, 6, 3, 64, LayerCoding::scalar(4, 4), 6000);
+        (c.min_tail, c.max_tail) = (256, 512);
+        let cfg = Arc::new(c);
+        let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
+        let mut rng = SplitMix64::new(23);
+        while seq.len(0).unwrap() < 5000 {
+            let n = seq.chunk_limit(0).unwrap().min(5000 - seq.len(0).unwrap());
+            seq.append(0, &rng.gaussians(n * 3 * 64), &rng.gaussians(n * 3 * 64))
+                .unwrap();
+        }
+        for rows in [1usize, 9] {
+            let q = rng.gaussians(rows * 6 * 64);
+            let want = attend(&seq, 0, &q, None).unwrap();
+            for threads in [1, 2, 3, 5] {
+                // From inside the pool and from the calling thread outside it.
+                let inside = pool
+                    .install(|| attend_with_threads(&seq, 0, &q, None, Some(threads)))
+                    .unwrap();
+                let outside = attend_with_threads(&seq, 0, &q, None, Some(threads)).unwrap();
+                for got in [inside, outside] {
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{threads} threads, {rows} rows");
+                }
+            }
+        }
+        let q = rng.gaussians(6 * 64);
+        assert!(matches!(
+            attend_with_threads(&seq, 0, &q, None, Some(0)),
+            Err(CacheError::Codec(crate::CodecError::InvalidSetting(_)))
+        ));
     }
 }

@@ -30,9 +30,10 @@ impl Drop for Finished<'_> {
 }
 
 /// Runs `work(state, i)` for `i in 0..items` on the calling thread and pool workers, at most
-/// `rayon::current_num_threads()` at once; each participant builds its `state` with `init`
-/// once, on its first item. Returns the results in item order.
-pub(crate) fn run_items<S, R, I, W>(items: usize, init: I, work: W) -> Vec<R>
+/// `rayon::current_num_threads()` at once, and at most `limit` where one is given (`Some(1)`:
+/// the caller alone); each participant builds its `state` with `init` once, on its first item.
+/// Returns the results in item order.
+pub(crate) fn run_items<S, R, I, W>(items: usize, limit: Option<usize>, init: I, work: W) -> Vec<R>
 where
     I: Fn() -> S + Sync,
     W: Fn(&mut S, usize) -> R + Sync,
@@ -41,7 +42,8 @@ where
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(0);
     let results: Vec<Mutex<Option<R>>> = (0..items).map(|_| Mutex::new(None)).collect();
-    let threads = rayon::current_num_threads();
+    let pool_threads = rayon::current_num_threads();
+    let threads = limit.map_or(pool_threads, |l| l.clamp(1, pool_threads));
     let seats = AtomicUsize::new(threads);
     let drain = || {
         if seats
@@ -65,9 +67,12 @@ where
     };
     // A worker calling from inside the pool is one of its threads already.
     let inside = rayon::current_thread_index().is_some();
+    // Outside the pool every worker is woken (see the module doc); a limit below the pool's
+    // size wakes only as many as may take a seat.
     let helpers = match (threads, inside) {
         (1, _) => 0,
         (t, true) => t - 1,
+        (t, false) if t < pool_threads => t - 1,
         (t, false) => t,
     };
     let helpers = if items > 1 { helpers } else { 0 };
@@ -104,12 +109,12 @@ mod tests {
                 .unwrap();
             // Called from one of the pool's workers; the last call below comes from outside.
             for items in [0, 1, 3, 24, 257] {
-                let got = pool.install(|| run_items(items, || 0usize, |_, i| i * i));
+                let got = pool.install(|| run_items(items, None, || 0usize, |_, i| i * i));
                 let want: Vec<usize> = (0..items).map(|i| i * i).collect();
                 assert_eq!(got, want, "{threads} threads, {items} items");
             }
         }
-        let got = run_items(10, Vec::<usize>::new, |seen, i| {
+        let got = run_items(10, None, Vec::<usize>::new, |seen, i| {
             seen.push(i);
             i + 1
         });
@@ -123,8 +128,8 @@ mod tests {
             .num_threads(2)
             .build()
             .unwrap();
-        let got =
-            pool.install(|| run_items(64, || built.fetch_add(1, Ordering::Relaxed), |_, i| i));
+        let got = pool
+            .install(|| run_items(64, None, || built.fetch_add(1, Ordering::Relaxed), |_, i| i));
         assert_eq!(got, (0..64).collect::<Vec<_>>());
         let built = built.load(Ordering::Relaxed);
         assert!(
@@ -135,10 +140,11 @@ mod tests {
 
     /// Runs 32 slow items through `run_items` and returns the most that ran at once. With
     /// `company`, item 0 waits (up to 5 s) for a second participant to start an item.
-    fn most_at_once(company: bool) -> usize {
+    fn most_at_once(company: bool, limit: Option<usize>) -> usize {
         let (active, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
         let got = run_items(
             32,
+            limit,
             || (),
             |_, i| {
                 let now = active.fetch_add(1, Ordering::SeqCst) + 1;
@@ -168,7 +174,7 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap();
-            let most = pool.install(|| most_at_once(threads > 1));
+            let most = pool.install(|| most_at_once(threads > 1, None));
             assert!(most <= threads, "{most} at once on {threads} threads");
             assert!(
                 most >= threads.min(2),
@@ -178,10 +184,28 @@ mod tests {
         // ... and from a thread outside the global pool, as Python calls (other tests share
         // that pool, so whether its workers join in is not asserted).
         let (most, threads) =
-            std::thread::spawn(|| (most_at_once(false), rayon::current_num_threads()))
+            std::thread::spawn(|| (most_at_once(false, None), rayon::current_num_threads()))
                 .join()
                 .unwrap();
         assert!(most <= threads, "{most} at once on {threads} threads");
+    }
+
+    #[test]
+    fn a_limit_caps_the_participants() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        // From a worker and from outside any pool: one participant means the caller alone.
+        assert_eq!(pool.install(|| most_at_once(false, Some(1))), 1);
+        let outside = std::thread::spawn(|| most_at_once(false, Some(1)));
+        assert_eq!(outside.join().unwrap(), 1);
+        let most = pool.install(|| most_at_once(true, Some(2)));
+        assert_eq!(most, 2, "{most} at once with a limit of 2 on 3 threads");
+        // A limit above the pool's size is the pool's size; zero is one.
+        let most = pool.install(|| most_at_once(true, Some(8)));
+        assert!((2..=3).contains(&most), "{most} at once on 3 threads");
+        assert_eq!(pool.install(|| most_at_once(false, Some(0))), 1);
     }
 
     #[test]
@@ -194,6 +218,7 @@ mod tests {
             pool.install(|| {
                 run_items(
                     16,
+                    None,
                     || (),
                     |_, i| {
                         assert_ne!(i, 7, "item 7 fails");
