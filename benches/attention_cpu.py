@@ -89,8 +89,18 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                         start = time.perf_counter()
                         calls[name](t)
                         times[(t, name)].append(time.perf_counter() - start)
+                fewest = min(args.threads)
                 for t in args.threads:
                     med = {name: statistics.median(times[(t, name)]) for name in calls}
+                    # Paired: each round's fewest-thread call over its own call at t threads,
+                    # timed a few milliseconds apart, so the guest's drift cancels.
+                    paired = [
+                        a / b
+                        for a, b in zip(
+                            times[(fewest, "sjkvarn")], times[(t, "sjkvarn")], strict=True
+                        )
+                    ]
+                    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
                     rows.append(
                         dict(
                             geometry=geometry,
@@ -100,6 +110,9 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                             bytes_read=read,
                             bits_per_value=m["effective_bits"],
                             **{f"{name}_ms": 1e3 * ms for name, ms in med.items()},
+                            paired_speedup=statistics.median(paired),
+                            paired_speedup_q1=quartiles[0],
+                            paired_speedup_q3=quartiles[2],
                         )
                     )
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -152,13 +165,21 @@ def main() -> int:
             f"{ours / float(r['sdpa_fp32_ms']):>6.2f} {ours / float(r['sdpa_bf16_ms']):>6.2f} "  # type: ignore[arg-type]
             f"{gbs:>6.2f} {100 * limit / ours:>8.1f}% {float(r['bits_per_value']):>5.2f}"  # type: ignore[arg-type]
         )
-    by_key = {(r["geometry"], r["body"], r["tokens"]): {} for r in rows}
-    for r in rows:
-        by_key[(r["geometry"], r["body"], r["tokens"])][r["threads"]] = float(r["sjkvarn_ms"])  # type: ignore[index,arg-type]
     if 1 in args.threads and 2 in args.threads:
-        print("\nsjkvarn 2-thread speed-up (1-thread time / 2-thread time):")
+        print(
+            "\nsjkvarn 2-thread speed-up: 1-thread median / 2-thread median; per-round pairs "
+            "(1-thread call / the same round's 2-thread call): median [quartiles]"
+        )
+        by_key = {(r["geometry"], r["body"], r["tokens"]): {} for r in rows}
+        for r in rows:
+            by_key[(r["geometry"], r["body"], r["tokens"])][r["threads"]] = r  # type: ignore[index]
         for (g, b, n), t in by_key.items():
-            print(f"  {g} {b} {n}: {t[1] / t[2]:.2f}")
+            one, two = t[1], t[2]
+            ratio = float(one["sjkvarn_ms"]) / float(two["sjkvarn_ms"])
+            print(
+                f"  {g} {b} {n}: {ratio:.2f}; pairs {two['paired_speedup']:.2f} "
+                f"[{two['paired_speedup_q1']:.2f}, {two['paired_speedup_q3']:.2f}]"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

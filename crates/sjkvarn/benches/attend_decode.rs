@@ -4,7 +4,9 @@
 //! side-by-side comparison with torch SDPA that the README quotes.
 //!
 //! Run: `cargo bench -p sjkvarn --bench attend_decode -- [--tokens 65536] [--geometry 24/4/256]
-//! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0]` (threads: `RAYON_NUM_THREADS`). The filled cache is kept
+//! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0] [--evict-mb 0]` (threads: `RAYON_NUM_THREADS`).
+//! `--evict-mb N` writes N MiB between calls (untimed), as a model's other layers would, so
+//! each call starts with its cache out of the CPU's caches. The filled cache is kept
 //! as a snapshot under `target/` so a rerun skips the seal.
 
 use sjkvarn::body::{BodyCoding, TrellisAxis};
@@ -31,6 +33,8 @@ fn main() {
     // Idle time between calls, as a model's other layers would leave: long enough for idle
     // worker threads to go to sleep, so each call pays for waking them.
     let gap_us: u64 = arg(&args, "--gap-us", "0").parse().expect("--gap-us");
+    let evict_mb: usize = arg(&args, "--evict-mb", "0").parse().expect("--evict-mb");
+    let mut evict = vec![0u8; evict_mb << 20];
     let g: Vec<usize> = geometry
         .split('/')
         .map(|x| x.parse().expect("geometry"))
@@ -84,6 +88,15 @@ fn main() {
             if gap_us > 0 {
                 std::thread::sleep(std::time::Duration::from_micros(gap_us));
             }
+            // Lines in a scattered order (a stride of 4,160 bytes, coprime to the line
+            // count): a plain sweep is taken for a stream and leaves much of the cache alone.
+            let lines = evict.len() / 64;
+            let mut at = 0;
+            for _ in 0..lines {
+                evict[at * 64] = evict[at * 64].wrapping_add(1);
+                at = (at + 65) % lines;
+            }
+            std::hint::black_box(&evict);
             let start = Instant::now();
             std::hint::black_box(attend(&seq, 0, &q, None).expect("attend"));
             start.elapsed().as_secs_f64() * 1e3
