@@ -64,18 +64,20 @@ fn main() {
         Err(_) => {
             let pool = Sequence::pool_for(&cfg, 1);
             let mut seq = Sequence::new(cfg.clone(), pool).expect("sequence");
-            let start = Instant::now();
+            let mut appending = std::time::Duration::ZERO;
             while seq.len(0).unwrap() < tokens {
                 let n = seq
                     .chunk_limit(0)
                     .unwrap()
                     .min(tokens - seq.len(0).unwrap());
                 let (k, v) = (rng.gaussians(n * kvh * d), rng.gaussians(n * kvh * d));
+                let start = Instant::now();
                 seq.append(0, &k, &v).expect("append");
+                appending += start.elapsed();
             }
             eprintln!(
-                "filled {tokens} tokens in {:.1} s",
-                start.elapsed().as_secs_f64()
+                "filled {tokens} tokens: appends took {:.3} s",
+                appending.as_secs_f64()
             );
             let _ = seq.save(&path);
             seq
