@@ -90,13 +90,14 @@ fn main() {
             if gap_us > 0 {
                 std::thread::sleep(std::time::Duration::from_micros(gap_us));
             }
-            // Lines in a scattered order (a stride of 4,160 bytes, coprime to the line
-            // count): a plain sweep is taken for a stream and leaves much of the cache alone.
+            // Lines in a pseudo-random order: a plain sweep is taken for a stream and leaves
+            // much of the cache alone.
             let lines = evict.len() / 64;
-            let mut at = 0;
+            let mut at = 1usize;
             for _ in 0..lines {
-                evict[at * 64] = evict[at * 64].wrapping_add(1);
-                at = (at + 65) % lines;
+                at = at.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let line = (at >> 20) % lines.max(1);
+                evict[line * 64] = evict[line * 64].wrapping_add(1);
             }
             std::hint::black_box(&evict);
             let start = Instant::now();
