@@ -95,7 +95,9 @@ fn main() {
             let lines = evict.len() / 64;
             let mut at = 1usize;
             for _ in 0..lines {
-                at = at.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                at = at
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let line = (at >> 20) % lines.max(1);
                 evict[line * 64] = evict[line * 64].wrapping_add(1);
             }
