@@ -4,13 +4,15 @@
 //! side-by-side comparison with torch SDPA that the README quotes.
 //!
 //! Run: `cargo bench -p sjkvarn --bench attend_decode -- [--tokens 65536] [--geometry 24/4/256]
-//! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0] [--evict-mb 0]` (threads: `RAYON_NUM_THREADS`).
+//! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0] [--evict-mb 0] [--paired 2]` (threads:
+//! `RAYON_NUM_THREADS`). `--paired N` alternates 1-thread and N-thread calls and prints the
+//! median of each round's ratio, so the machine's drift between minutes cancels.
 //! `--evict-mb N` writes N MiB between calls (untimed), as a model's other layers would, so
 //! each call starts with its cache out of the CPU's caches. The filled cache is kept
 //! as a snapshot under `target/` so a rerun skips the seal.
 
 use sjkvarn::body::{BodyCoding, TrellisAxis};
-use sjkvarn::cache::attention::attend;
+use sjkvarn::cache::attention::{attend, attend_with_threads};
 use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
@@ -34,6 +36,7 @@ fn main() {
     // worker threads to go to sleep, so each call pays for waking them.
     let gap_us: u64 = arg(&args, "--gap-us", "0").parse().expect("--gap-us");
     let evict_mb: usize = arg(&args, "--evict-mb", "0").parse().expect("--evict-mb");
+    let paired: usize = arg(&args, "--paired", "0").parse().expect("--paired");
     let mut evict = vec![0u8; evict_mb << 20];
     let g: Vec<usize> = geometry
         .split('/')
@@ -85,28 +88,49 @@ fn main() {
     };
     let q = rng.gaussians(qh * d);
     let _ = attend(&seq, 0, &q, None).expect("attend");
-    let mut times: Vec<f64> = (0..repeats)
-        .map(|_| {
-            if gap_us > 0 {
-                std::thread::sleep(std::time::Duration::from_micros(gap_us));
-            }
-            // Lines in a pseudo-random order: a plain sweep is taken for a stream and leaves
-            // much of the cache alone.
-            let lines = evict.len() / 64;
-            let mut at = 1usize;
-            for _ in 0..lines {
-                at = at
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let line = (at >> 20) % lines.max(1);
-                evict[line * 64] = evict[line * 64].wrapping_add(1);
-            }
-            std::hint::black_box(&evict);
-            let start = Instant::now();
-            std::hint::black_box(attend(&seq, 0, &q, None).expect("attend"));
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
+    let mut evict_between = |evict: &mut Vec<u8>| {
+        if gap_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(gap_us));
+        }
+        // Lines in a pseudo-random order: a plain sweep is taken for a stream and leaves
+        // much of the cache alone.
+        let lines = evict.len() / 64;
+        let mut at = 1usize;
+        for _ in 0..lines {
+            at = at
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let line = (at >> 20) % lines.max(1);
+            evict[line * 64] = evict[line * 64].wrapping_add(1);
+        }
+        std::hint::black_box(&evict);
+    };
+    let mut timed = |threads: Option<usize>, evict: &mut Vec<u8>| {
+        evict_between(evict);
+        let start = Instant::now();
+        std::hint::black_box(attend_with_threads(&seq, 0, &q, None, threads).expect("attend"));
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    if paired > 0 {
+        let (mut one, mut many, mut ratio) = (vec![], vec![], vec![]);
+        for _ in 0..repeats {
+            let (a, b) = (timed(Some(1), &mut evict), timed(Some(paired), &mut evict));
+            one.push(a);
+            many.push(b);
+            ratio.push(a / b);
+        }
+        for v in [&mut one, &mut many, &mut ratio] {
+            v.sort_by(f64::total_cmp);
+        }
+        let (mid, q1, q3) = (repeats / 2, repeats / 4, 3 * repeats / 4);
+        println!(
+            "{geometry} {body} {tokens} tokens: 1 thread {:.3} ms, {paired} threads {:.3} ms, \
+             paired speed-up {:.2} [{:.2}, {:.2}] over {repeats} rounds",
+            one[mid], many[mid], ratio[mid], ratio[q1], ratio[q3]
+        );
+        return;
+    }
+    let mut times: Vec<f64> = (0..repeats).map(|_| timed(None, &mut evict)).collect();
     times.sort_by(f64::total_cmp);
     let m = seq.memory();
     println!(

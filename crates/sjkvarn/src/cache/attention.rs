@@ -33,6 +33,24 @@ use std::cell::RefCell;
 /// derived from the thread count or the call), so results do not depend on scheduling.
 const CHUNK: usize = 16 * GROUP;
 
+/// Least work (query rows x cached positions x KV heads x head width) worth a second thread.
+/// Below it the caller runs every item alone: waking a sleeping pool worker costs tens of
+/// microseconds in a virtual machine, and the call waits for it even when it arrives too late
+/// to take an item. Measured on a 2-vCPU guest (benches/attend_decode `--paired 2`): 2 threads
+/// ran 0.22-0.89x as fast as 1 below it (9q/3kv/64 at 16-512 tokens, 24q/4kv/256 at 16-128),
+/// 1.1-1.5x above it (1,024 and 256 tokens up).
+const PARALLEL_MIN_WORK: usize = 160 * 1024;
+
+/// The thread limit a call of `work` (see [`PARALLEL_MIN_WORK`]) runs under: the caller's
+/// `limit`, or the calling thread alone for a call too small to gain from more.
+fn thread_limit(work: usize, limit: Option<usize>) -> Option<usize> {
+    if work < PARALLEL_MIN_WORK {
+        Some(1)
+    } else {
+        limit
+    }
+}
+
 /// Largest total of partial softmax states (bytes) for which every (head, chunk) item runs in
 /// parallel; above it (long prefill chunks) each head runs its chunks in order.
 const PARALLEL_STATE_BYTES: usize = 32 << 20;
@@ -715,7 +733,9 @@ pub fn attend(
 /// [`attend`] on at most `threads` threads (the caller and rayon's workers; never more than
 /// the pool has): `Some(1)` runs on the calling thread alone. For a server that shares its
 /// cores between attention and other work, and for benchmarks that compare thread counts
-/// side by side in one process. The result is the same for every thread count.
+/// side by side in one process. The result is the same for every thread count. Calls too small
+/// to gain from a second thread (a few hundred cached positions) run on the caller alone
+/// whatever the limit.
 pub fn attend_with_threads(
     seq: &Sequence,
     layer: usize,
@@ -809,6 +829,7 @@ fn attend_at(
         words: WordKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
+    let threads = thread_limit(n * lj.len * kvh * d, threads);
     let per_head: Vec<CacheResult<Vec<Softmax>>> =
         if state_bytes * chunks * kvh <= PARALLEL_STATE_BYTES {
             // One item per (head, chunk), head-major; the caller works on them too.
@@ -966,6 +987,19 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// Calls below the work threshold run on the caller alone, whatever the limit.
+    #[test]
+    fn small_calls_run_on_the_caller_alone() {
+        assert_eq!(thread_limit(PARALLEL_MIN_WORK - 1, None), Some(1));
+        assert_eq!(thread_limit(PARALLEL_MIN_WORK - 1, Some(2)), Some(1));
+        assert_eq!(thread_limit(PARALLEL_MIN_WORK, None), None);
+        assert_eq!(thread_limit(PARALLEL_MIN_WORK, Some(2)), Some(2));
+        // SmolLM2's geometry (3 KV heads of 64): one decode row over 512 positions is small,
+        // over 1,024 it is not.
+        assert_eq!(thread_limit(512 * 3 * 64, None), Some(1));
+        assert_eq!(thread_limit(1024 * 3 * 64, None), None);
     }
 
     /// Any thread limit gives the bits of the unlimited call, and a limit of zero is refused.
