@@ -88,7 +88,7 @@ fn main() {
     };
     let q = rng.gaussians(qh * d);
     let _ = attend(&seq, 0, &q, None).expect("attend");
-    let mut evict_between = |evict: &mut Vec<u8>| {
+    let evict_between = |evict: &mut [u8]| {
         if gap_us > 0 {
             std::thread::sleep(std::time::Duration::from_micros(gap_us));
         }
@@ -105,7 +105,7 @@ fn main() {
         }
         std::hint::black_box(&evict);
     };
-    let mut timed = |threads: Option<usize>, evict: &mut Vec<u8>| {
+    let timed = |threads: Option<usize>, evict: &mut [u8]| {
         evict_between(evict);
         let start = Instant::now();
         std::hint::black_box(attend_with_threads(&seq, 0, &q, None, threads).expect("attend"));
