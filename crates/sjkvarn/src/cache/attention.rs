@@ -33,13 +33,14 @@ use std::cell::RefCell;
 /// derived from the thread count or the call), so results do not depend on scheduling.
 const CHUNK: usize = 16 * GROUP;
 
-/// Least work (query rows x cached positions x KV heads x head width) worth a second thread.
-/// Below it the caller runs every item alone: waking a sleeping pool worker costs tens of
-/// microseconds in a virtual machine, and the call waits for it even when it arrives too late
-/// to take an item. Measured on a 2-vCPU guest (benches/attend_decode `--paired 2`): 2 threads
-/// ran 0.22-0.89x as fast as 1 below it (9q/3kv/64 at 16-512 tokens, 24q/4kv/256 at 16-128),
-/// 1.1-1.5x above it (1,024 and 256 tokens up).
-const PARALLEL_MIN_WORK: usize = 160 * 1024;
+/// Least work (query rows x cached positions x query heads x head width) worth a second
+/// thread. Below it the caller runs every item alone: waking a pool worker that went to sleep
+/// since the last call (as it does while a model runs its other layers) costs tens of
+/// microseconds in a virtual machine, and the call waits for it even when it comes too late to
+/// take an item. Measured on a 2-vCPU guest (`attend_decode --paired 2 --evict-mb 4`, so the
+/// worker sleeps between calls), 2 threads against 1: 9q/3kv/64 0.80x at 1,024 positions,
+/// 0.99x at 2,048, 1.25x at 3,072; 24q/4kv/256 1.14x at 256, 1.31x at 512.
+const PARALLEL_MIN_WORK: usize = 1280 * 1024;
 
 /// The thread limit a call of `work` (see [`PARALLEL_MIN_WORK`]) runs under: the caller's
 /// `limit`, or the calling thread alone for a call too small to gain from more.
@@ -734,8 +735,8 @@ pub fn attend(
 /// the pool has): `Some(1)` runs on the calling thread alone. For a server that shares its
 /// cores between attention and other work, and for benchmarks that compare thread counts
 /// side by side in one process. The result is the same for every thread count. Calls too small
-/// to gain from a second thread (a few hundred cached positions) run on the caller alone
-/// whatever the limit.
+/// to gain from a second thread (about 2,000 cached positions at 9 query heads of 64, 200 at
+/// 24 of 256) run on the caller alone whatever the limit.
 pub fn attend_with_threads(
     seq: &Sequence,
     layer: usize,
@@ -829,7 +830,7 @@ fn attend_at(
         words: WordKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
-    let threads = thread_limit(n * lj.len * kvh * d, threads);
+    let threads = thread_limit(n * lj.len * qh * d, threads);
     let per_head: Vec<CacheResult<Vec<Softmax>>> =
         if state_bytes * chunks * kvh <= PARALLEL_STATE_BYTES {
             // One item per (head, chunk), head-major; the caller works on them too.
@@ -996,10 +997,10 @@ mod tests {
         assert_eq!(thread_limit(PARALLEL_MIN_WORK - 1, Some(2)), Some(1));
         assert_eq!(thread_limit(PARALLEL_MIN_WORK, None), None);
         assert_eq!(thread_limit(PARALLEL_MIN_WORK, Some(2)), Some(2));
-        // SmolLM2's geometry (3 KV heads of 64): one decode row over 512 positions is small,
-        // over 1,024 it is not.
-        assert_eq!(thread_limit(512 * 3 * 64, None), Some(1));
-        assert_eq!(thread_limit(1024 * 3 * 64, None), None);
+        // SmolLM2's geometry (9 query heads of 64): one decode row over 2,048 positions is
+        // small, over 3,072 it is not.
+        assert_eq!(thread_limit(2048 * 9 * 64, None), Some(1));
+        assert_eq!(thread_limit(3072 * 9 * 64, None), None);
     }
 
     /// Any thread limit gives the bits of the unlimited call, and a limit of zero is refused.
