@@ -318,8 +318,8 @@ class Cache:
         Returns a tensor of ``q``'s kind and dtype (computed in float32). ``threads`` caps the
         CPU threads of this call (the calling thread and the pool's workers, at most
         ``RAYON_NUM_THREADS``; ``1``: the calling thread alone); the result does not depend
-        on it. Calls too small to gain from a second thread (about 2,000 positions at 9 query
-        heads of 64) run on the calling thread whatever the cap. CPU caches only.
+        on it. Calls too small to gain from a second thread (under about 2,300 positions at 9
+        query heads of 64) run on the calling thread whatever the cap. CPU caches only.
         """
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise TypeError(f"threads must be an int, got {type(threads).__name__}")

@@ -735,8 +735,8 @@ pub fn attend(
 /// the pool has): `Some(1)` runs on the calling thread alone. For a server that shares its
 /// cores between attention and other work, and for benchmarks that compare thread counts
 /// side by side in one process. The result is the same for every thread count. Calls too small
-/// to gain from a second thread (about 2,000 cached positions at 9 query heads of 64, 200 at
-/// 24 of 256) run on the caller alone whatever the limit.
+/// to gain from a second thread (under about 2,300 cached positions at 9 query heads of 64, 210
+/// at 24 of 256: `PARALLEL_MIN_WORK`) run on the caller alone whatever the limit.
 pub fn attend_with_threads(
     seq: &Sequence,
     layer: usize,
