@@ -19,6 +19,7 @@ from sjkvarn import (
     CudaUnavailableError,
     InvalidInputError,
     LayerIndexError,
+    MissingFileError,
     PoolExhaustedError,
     SjkvarnError,
     UnsupportedTypeError,
@@ -256,7 +257,36 @@ CASES: list[tuple[str, str, Callable[[str], object], type[BaseException]]] = [
         CorruptDataError,
     ),
     ("pool", "Cache.append", lambda d: _exhaust_pool(d), PoolExhaustedError),
-    ("file", "Cache.load", lambda d: Cache.load("/nonexistent/seq.sjkv"), FileNotFoundError),
+    ("file", "Cache.load", lambda d: Cache.load("/nonexistent/seq.sjkv"), MissingFileError),
+    ("file", "Cache.save", lambda d: filled(d).save("/nonexistent/seq.sjkv"), MissingFileError),
+    ("non-integer", "Cache.truncate", lambda d: filled(d).truncate(2.9), UnsupportedTypeError),
+    (
+        "non-integer",
+        "Cache.append",
+        lambda d: filled(d).append("0", tensor(rows(1), d), tensor(rows(1), d)),
+        UnsupportedTypeError,
+    ),
+    (
+        "non-integer",
+        "Config(k_bits=)",
+        lambda d: Cache(small_config(k_bits=2.5)),
+        UnsupportedTypeError,
+    ),
+    (
+        "non-integer",
+        "Cache.from_state",
+        lambda d: Cache.from_state(small_config(), "state"),
+        UnsupportedTypeError,
+    ),
+    ("range", "Cache.truncate", lambda d: filled(d).truncate(10**20), InvalidInputError),
+    ("range", "Config(q_heads=)", lambda d: Cache(small_config(q_heads=0)), InvalidInputError),
+    ("range", "Config(passes=)", lambda d: Cache(small_config(passes=-1)), InvalidInputError),
+    (
+        "overflow",
+        "Cache.attend",
+        lambda d: filled(d).attend(0, tensor(np.full((1, 4, 64), 3e37, np.float32), d)),
+        InvalidInputError,
+    ),
     (
         "cuda-unavailable",
         "Cache(device='cuda')",
@@ -318,8 +348,7 @@ def test_each_kind_raises_its_class(
     with pytest.raises(expected) as info:
         call(device)
     assert type(info.value) is expected, f"{type(info.value).__name__} is not {expected.__name__}"
-    if expected is not FileNotFoundError:
-        assert isinstance(info.value, SjkvarnError)
+    assert isinstance(info.value, SjkvarnError)
     assert str(info.value), "every error says what went wrong"
 
 
@@ -331,6 +360,8 @@ def test_builtin_bases_for_callers_that_catch_them() -> None:
     assert issubclass(CorruptDataError, ValueError)
     assert issubclass(PoolExhaustedError, RuntimeError)
     assert issubclass(CudaUnavailableError, RuntimeError)
+    assert issubclass(MissingFileError, FileNotFoundError)
+    assert issubclass(sjkvarn.StorageError, OSError)
     assert sjkvarn.CodecError is InvalidInputError and sjkvarn.CacheError is InvalidInputError
     assert sjkvarn.SnapshotError is CorruptDataError
     assert InvalidInputError.__module__ == "sjkvarn"

@@ -24,12 +24,14 @@ may be shared by threads: its calls are serialised and run with the GIL released
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from sjkvarn import _arguments as args
 from sjkvarn import _core
 from sjkvarn.errors import (
     CacheError,
@@ -176,26 +178,53 @@ class Config:
         return rows
 
 
+def _checked_coding(config: Config) -> list[tuple[int, int, str, str]]:
+    """``config.layer_coding()`` with every entry type-checked."""
+    checked = []
+    for i, row in enumerate(config.layer_coding()):
+        if not isinstance(row, (tuple, list)) or len(row) != 4:
+            raise InvalidInputError(f"layer_bits[{i}] must be (k_bits, v_bits, body)")
+        k, v, kb, vb = row
+        uniform = config.layer_bits is None
+        k_name, v_name = ("k_bits", "v_bits") if uniform else (f"layer_bits[{i}]",) * 2
+        checked.append(
+            (
+                args.integer(k_name, k, maximum=args.MAX_U32),
+                args.integer(v_name, v, maximum=args.MAX_U32),
+                args.text("body", kb),
+                args.text("body", vb),
+            )
+        )
+    return checked
+
+
 def _spec_of(config: Config) -> Any:
-    """The validated core configuration of ``config``."""
+    """The validated core configuration of ``config``: every field is type- and range-checked
+    here (an sjkvarn error naming it), then the core checks what the values mean."""
+    count = args.integer
+    q_heads = config.kv_heads if config.q_heads is None else config.q_heads
+    budget = config.staging_budget
+    for name in ("mode", "stat", "staging", "sink_type", "device"):
+        args.text(name, getattr(config, name))
+    count("pool_sequences", config.pool_sequences, minimum=1)
     return _core.CacheSpec(
-        config.layers,
-        config.q_heads or config.kv_heads,
-        config.kv_heads,
-        config.head_dim,
-        config.layer_coding(),
-        config.min_tail,
-        config.max_tail,
-        config.max_chunk,
-        config.max_tokens,
-        config.passes,
+        count("layers", config.layers, minimum=1),
+        count("q_heads", q_heads, minimum=1),
+        count("kv_heads", config.kv_heads, minimum=1),
+        count("head_dim", config.head_dim, minimum=1),
+        _checked_coding(config),
+        count("min_tail", config.min_tail),
+        count("max_tail", config.max_tail),
+        count("max_chunk", config.max_chunk),
+        count("max_tokens", config.max_tokens, minimum=1),
+        count("passes", config.passes, maximum=args.MAX_U32),
         config.mode,
         config.stat,
         config.staging,
-        config.flush_chunk,
+        count("flush_chunk", config.flush_chunk),
         config.sink_type,
-        config.sink,
-        config.staging_budget,
+        count("sink", config.sink),
+        None if budget is None else args.real("staging_budget", budget),
     )
 
 
@@ -232,9 +261,11 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
 
 
 def _layer(layer: Any) -> int:
-    """A layer index as the core takes it; negative indices do not exist."""
-    i = int(layer)
-    if i < 0:
+    """A layer index as the core takes it (an integer; negative indices do not exist)."""
+    if isinstance(layer, (bool, np.bool_)) or not hasattr(type(layer), "__index__"):
+        raise UnsupportedTypeError(f"layer must be an integer, got {type(layer).__name__}")
+    i = operator.index(layer)
+    if not 0 <= i <= args.MAX_COUNT:
         raise LayerIndexError(f"layer {i} does not exist (layers are numbered from 0)")
     return i
 
@@ -243,9 +274,10 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _exportable(x: Any) -> Any:
+def _exportable(x: Any, name: str) -> Any:
     if _is_torch(x) and getattr(x, "requires_grad", False):
         return x.detach()
+    x = args.native_array(name, x)
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         return x.copy()
     return x
@@ -254,18 +286,19 @@ def _exportable(x: Any) -> Any:
 class Cache:
     """One sequence of the journaled cache (sink, staging ring, sealed body records)."""
 
+    @args.library_errors
     def __init__(self, config: Config, *, _core_cache: Any = None) -> None:
+        if not isinstance(config, Config):
+            raise UnsupportedTypeError(f"config must be a Config, got {type(config).__name__}")
         # q_heads=None means "as many as kv_heads": store it resolved, as a restored cache has it.
-        self.config = replace(config, q_heads=config.q_heads or config.kv_heads)
+        q_heads = config.kv_heads if config.q_heads is None else config.q_heads
+        self.config = replace(config, q_heads=q_heads)
         if _core_cache is not None:
             self._core = _core_cache
             self._ordinal = int(getattr(_core_cache, "ordinal", 0))
             return
-        for name in ("layers", "kv_heads", "head_dim", "max_tokens", "pool_sequences"):
-            if int(getattr(config, name)) < 1:
-                raise InvalidInputError(f"{name} must be at least 1")
-        kind, self._ordinal = _parse_device(config.device)
         spec = _spec_of(config)
+        kind, self._ordinal = _parse_device(config.device)
         if kind == "cuda":
             load_nvrtc()
             self._core = _core.DeviceCache(self._ordinal, spec, config.pool_sequences)
@@ -294,6 +327,7 @@ class Cache:
 
         return int(torch.cuda.current_stream(self._ordinal).cuda_stream)
 
+    @args.library_errors
     def append(self, layer: int, k: Any, v: Any, *, rotated: bool = False) -> None:
         """Appends post-RoPE K and V, each ``[tokens, kv_heads, head_dim]``.
 
@@ -307,8 +341,12 @@ class Cache:
             k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
             self._core.append(_layer(layer), k32, v32, self._stream())
             return
-        self._core.append(_layer(layer), _exportable(k), _exportable(v), bool(rotated))
+        if not isinstance(rotated, (bool, np.bool_)):
+            raise UnsupportedTypeError(f"rotated must be a bool, got {type(rotated).__name__}")
+        k, v = _exportable(k, "k"), _exportable(v, "v")
+        self._core.append(_layer(layer), k, v, bool(rotated))
 
+    @args.library_errors
     def attend(
         self, layer: int, q: Any, *, scale: float | None = None, threads: int | None = None
     ) -> Any:
@@ -321,21 +359,25 @@ class Cache:
         on it. Calls too small to gain from a second thread (under about 2,300 positions at 9
         query heads of 64) run on the calling thread whatever the cap. CPU caches only.
         """
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
-            raise TypeError(f"threads must be an int, got {type(threads).__name__}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+        threads = args.optional_integer("threads", threads, minimum=1)
+        scale = None if scale is None else args.real("scale", scale)
         if self.is_cuda:
             import torch
 
             if threads is not None:
-                raise ValueError("threads applies to CPU caches; this cache is on CUDA")
+                raise InvalidInputError("threads applies to CPU caches; this cache is on CUDA")
 
             q32 = self._cuda_f32(q, "q")
             out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
             self._core.attend_into(_layer(layer), q32, out, scale, self._stream())
+            if not bool(torch.isfinite(out).all()):
+                # Keys and queries are finite, so only overflowing scores give a non-finite row.
+                raise InvalidInputError(
+                    "attention overflowed float32: the scores scale * q.k passed 3.4e38; "
+                    "scale the query or `scale` down"
+                )
             return out if q.dtype == torch.float32 else out.to(q.dtype)
-        q = _exportable(q)
+        q = _exportable(q, "q")
         if _is_torch(q):
             import torch
 
@@ -347,6 +389,7 @@ class Cache:
         self._core.attend_into(_layer(layer), q, out_np, scale, threads)
         return out_np
 
+    @args.library_errors
     def truncate(self, n: int) -> int:
         """Keeps the first ``n`` tokens; returns the position to re-append K/V from.
 
@@ -354,38 +397,42 @@ class Cache:
         the groups from the group floor on and returns it (at most 127 tokens before ``n``);
         ``n`` at or past the length changes nothing and returns the length.
         """
-        if n < 0:
-            raise InvalidInputError(f"cannot truncate to {n} tokens")
-        return int(self._core.truncate(int(n)))
+        n = args.integer("n", n)
+        return int(self._core.truncate(n))
 
+    @args.library_errors
     def seal_idle(self, keep_recent: int = 0) -> None:
         """Seals every layer back to ``min_tail`` unsealed tokens (between requests), never the
         last ``max(keep_recent, min_tail)`` positions (pass ``length - k`` to keep a turn that
         starts at ``k`` exact)."""
-        if keep_recent < 0:
-            raise InvalidInputError(f"keep_recent must be >= 0, got {keep_recent}")
-        self._core.seal_idle(int(keep_recent))
+        self._core.seal_idle(args.integer("keep_recent", keep_recent))
 
+    @args.library_errors
     def fork(self) -> Cache:
         """A child sequence sharing this one's sealed records (copy-on-write) and pool."""
         return Cache(self.config, _core_cache=self._core.fork())
 
+    @args.library_errors
     def length(self, layer: int = 0) -> int:
         return int(self._core.length(_layer(layer)))
 
+    @args.library_errors
     def regions(self, layer: int = 0) -> dict[str, tuple[int, int]]:
         """Position ranges ``[start, end)`` of the sink, body and ring of ``layer``."""
         sink, body, ring = self._core.regions(_layer(layer))
         return {"sink": sink, "body": body, "ring": ring}
 
+    @args.library_errors
     def chunk_limit(self, layer: int = 0) -> int:
         """Tokens the next append runs as one ubatch (a seal can only run at its start)."""
         return int(self._core.chunk_limit(_layer(layer)))
 
+    @args.library_errors
     def memory(self) -> dict[str, float]:
         """Allocated bytes per region, token counts and occupied effective bits per value."""
         return dict(self._core.memory())
 
+    @args.library_errors
     def staging_report(self) -> list[dict[str, Any] | None]:
         """Per layer, what ``staging="auto"`` picked and why: the K and V types, each
         candidate's measured score (keys: logit error centred over positions; values: relative
@@ -395,6 +442,7 @@ class Cache:
             return [None] * self.config.layers  # the device ring is always tq6_0
         return [None if r is None else dict(r) for r in self._core.staging_report()]
 
+    @args.library_errors
     def snapshot(self) -> bytes:
         return bytes(self._core.snapshot())
 
@@ -404,6 +452,7 @@ class Cache:
         core = self._core.to_cpu() if self.is_cuda else self._core
         return bool(core.config()["reference_format"])
 
+    @args.library_errors
     def state(self) -> bytes:
         """The sequence as an ``SJKVSEQ`` v1 stream: the reference codec's per-sequence state
         (``sj_kvarn_seq_state_write``), loadable there for a reference-format cache."""
@@ -411,21 +460,33 @@ class Cache:
         return bytes(core.state())
 
     @classmethod
+    @args.library_errors
     def from_state(cls, config: Config, data: bytes) -> Cache:
         """A CPU cache of ``config`` restored from an ``SJKVSEQ`` stream (from :meth:`state` or
         the reference codec). Every mismatch or damage raises CorruptDataError naming it."""
-        core = _core.Cache.from_state(_spec_of(config), bytes(data), config.pool_sequences)
+        if not isinstance(config, Config):
+            raise UnsupportedTypeError(f"config must be a Config, got {type(config).__name__}")
+        data = args.byte_string("data", data)
+        core = _core.Cache.from_state(_spec_of(config), data, config.pool_sequences)
         return cls(replace(config, device="cpu"), _core_cache=core)
 
+    @args.library_errors
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes a versioned, checksummed snapshot (temporary file, fsync, rename). CUDA and CPU
-        caches write the same bytes."""
+        """Writes a versioned, checksummed snapshot, atomically and durably: a temporary file of
+        this call's own next to ``path`` (``.NAME.<pid>-<n>-<t>.sjkvarn-tmp``, created
+        exclusively), fsync, rename, fsync of the directory. Concurrent saves never mix: each
+        file holds one whole snapshot, and when two calls save the same path at once both
+        succeed and the later rename wins. A failure raises :class:`StorageError` (an
+        ``OSError``) and leaves ``path`` as it was. Temporaries of killed processes are removed
+        by the next save to the same path. CUDA and CPU caches write the same bytes."""
         core = self._core.to_cpu() if self.is_cuda else self._core
         core.save(os.fspath(path))
 
+    @args.library_errors
     def to(self, device: str, *, pool_sequences: int = 1) -> Cache:
         """A byte-for-byte copy of this cache on ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-        kind, ordinal = _parse_device(device)
+        kind, ordinal = _parse_device(args.text("device", device))
+        pool_sequences = args.integer("pool_sequences", pool_sequences, minimum=1)
         core = self._core.to_cpu() if self.is_cuda else self._core
         config = replace(self.config, device=device, pool_sequences=pool_sequences)
         if kind == "cuda":
@@ -437,11 +498,13 @@ class Cache:
         return Cache(config, _core_cache=_core.Cache.from_snapshot(core.snapshot(), pool_sequences))
 
     @classmethod
+    @args.library_errors
     def load(
         cls, path: str | os.PathLike[str], *, pool_sequences: int = 1, device: str = "cpu"
     ) -> Cache:
         """Restores a snapshot; a mismatched, truncated or corrupted file raises
-        CorruptDataError."""
+        CorruptDataError, a missing one MissingFileError."""
+        pool_sequences = args.integer("pool_sequences", pool_sequences, minimum=1)
         core = _core.Cache.load(os.fspath(path), pool_sequences)
         config = _config_from_core(core.config(), pool_sequences)
         cache = cls(config, _core_cache=core)

@@ -21,6 +21,8 @@ LayerIndexError: type[IndexError] = _core.LayerIndexError
 CorruptDataError: type[ValueError] = _core.CorruptDataError
 PoolExhaustedError: type[RuntimeError] = _core.PoolExhaustedError
 OutOfMemoryError: type[MemoryError] = _core.OutOfMemoryError
+StorageError: type[OSError] = _core.StorageError
+MissingFileError: type[FileNotFoundError] = _core.MissingFileError
 CudaUnavailableError: type[RuntimeError] = _core.CudaUnavailableError
 CudaBackendError: type[RuntimeError] = _core.CudaBackendError
 
@@ -36,9 +38,11 @@ __all__ = [
     "CudaUnavailableError",
     "InvalidInputError",
     "LayerIndexError",
+    "MissingFileError",
     "OutOfMemoryError",
     "PoolExhaustedError",
     "SjkvarnError",
     "SnapshotError",
+    "StorageError",
     "UnsupportedTypeError",
 ]

@@ -2,8 +2,8 @@
 
 Every class derives from ``SjkvarnError``; each also derives from the built-in exception a
 Python caller would expect for that kind (``ValueError`` for bad values, ``TypeError`` for
-unsupported types, ``IndexError`` for a layer that does not exist, ``RuntimeError`` for a
-backend that cannot run). A call that raises leaves caches and output buffers as they were.
+unsupported types, ``IndexError`` for a layer that does not exist, ``OSError`` for files,
+``RuntimeError`` for a backend that cannot run). A call that raises leaves caches and output buffers as they were.
 """
 
 
@@ -37,6 +37,15 @@ class PoolExhaustedError(SjkvarnError, RuntimeError):
 
 class OutOfMemoryError(SjkvarnError, MemoryError):
     """A valid configuration this machine (or device) cannot allocate; nothing was allocated."""
+
+
+class StorageError(SjkvarnError, OSError):
+    """Reading or writing a snapshot file failed (``errno``, ``strerror`` and ``filename`` are
+    set as on ``OSError``); the file at the path is as it was."""
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A snapshot path that does not exist."""
 
 
 class CudaUnavailableError(SjkvarnError, RuntimeError):

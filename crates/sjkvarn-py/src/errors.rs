@@ -1,7 +1,6 @@
 //! The exception classes, defined once (in `errors.py`, compiled into `_core` at import) and
 //! raised by kind, so every entry point and backend raises the same class for the same fault.
 
-use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyModule, PyType};
@@ -18,18 +17,22 @@ pub(crate) enum Kind {
     CorruptData,
     PoolExhausted,
     OutOfMemory,
+    Storage,
+    MissingFile,
     CudaUnavailable,
     CudaBackend,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Kind; 8] = [
+    pub(crate) const ALL: [Kind; 10] = [
         Kind::InvalidInput,
         Kind::UnsupportedType,
         Kind::LayerIndex,
         Kind::CorruptData,
         Kind::PoolExhausted,
         Kind::OutOfMemory,
+        Kind::Storage,
+        Kind::MissingFile,
         Kind::CudaUnavailable,
         Kind::CudaBackend,
     ];
@@ -42,6 +45,8 @@ impl Kind {
             Kind::CorruptData => "CorruptDataError",
             Kind::PoolExhausted => "PoolExhaustedError",
             Kind::OutOfMemory => "OutOfMemoryError",
+            Kind::Storage => "StorageError",
+            Kind::MissingFile => "MissingFileError",
             Kind::CudaUnavailable => "CudaUnavailableError",
             Kind::CudaBackend => "CudaBackendError",
         }
@@ -102,25 +107,46 @@ pub(crate) fn cache(e: CoreError) -> PyErr {
         CoreError::PoolExhausted { .. } => Kind::PoolExhausted,
         CoreError::Snapshot(_) | CoreError::State(_) => Kind::CorruptData,
         CoreError::OutOfMemory { .. } => Kind::OutOfMemory,
-        CoreError::Io(_) => return PyOSError::new_err(e.to_string()),
+        CoreError::Io {
+            path,
+            kind,
+            errno,
+            detail,
+        } => return file_error(&path, kind, errno, &detail),
         CoreError::InvalidConfig(_)
         | CoreError::Shape { .. }
         | CoreError::TooLong { .. }
         | CoreError::Position { .. }
+        | CoreError::ScoreOverflow { .. }
         | CoreError::Codec(_) => Kind::InvalidInput,
     };
     raise(kind, e.to_string())
 }
 
-/// The `OSError` subclass Python uses for `e`'s kind (`FileNotFoundError`, ...), naming `path`.
+/// A `StorageError` (an `OSError` with `errno`, `strerror`, `filename` set), or its
+/// `MissingFileError` subclass (also a `FileNotFoundError`) for a path that does not exist.
+fn file_error(path: &str, kind: std::io::ErrorKind, errno: Option<i32>, detail: &str) -> PyErr {
+    let which = if kind == std::io::ErrorKind::NotFound {
+        Kind::MissingFile
+    } else {
+        Kind::Storage
+    };
+    let errno = errno.unwrap_or(0);
+    let (path, detail) = (path.to_owned(), detail.to_owned());
+    Python::attach(|py| match class(py, which) {
+        Ok(cls) => PyErr::from_type(cls, (errno, detail, path)),
+        Err(e) => e,
+    })
+}
+
+/// The library's file error for `e` on `path`.
 pub(crate) fn io(path: &std::path::Path, e: std::io::Error) -> PyErr {
-    use pyo3::exceptions::{PyFileNotFoundError, PyPermissionError};
-    let message = format!("{}: {e}", path.display());
-    match e.kind() {
-        std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(message),
-        std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(message),
-        _ => PyOSError::new_err(message),
-    }
+    file_error(
+        &path.display().to_string(),
+        e.kind(),
+        e.raw_os_error(),
+        &e.to_string(),
+    )
 }
 
 /// Bad input, with a message.

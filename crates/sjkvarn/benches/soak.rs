@@ -11,6 +11,10 @@
 //!   the content, and sealed records that decode close to the content (no lost or misplaced data);
 //! - attention bit-identical to the same state restored from its snapshot.
 //!
+//! Now and then up to four live sequences save at once from their own threads, to files whose
+//! names share a stem and two of them to one shared file; every file must load as its own
+//! sequence's whole snapshot (the shared one as one of its writers') with no temporary left.
+//!
 //! The pool's used slots must equal the distinct slots referenced by live sequences, each with a
 //! reference count equal to the number of sequences holding it. Any violation panics.
 //! Reports tokens/s, operation counts, pool high-water mark and RSS (start, middle, end, peak).
@@ -21,6 +25,7 @@ use sjkvarn::cache::staging::RingRows;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -186,6 +191,61 @@ fn check_pool(pool: &RecordPool, live: &[Option<Live>]) {
     }
 }
 
+/// Saves up to four live sequences (from `start` on) at once, each from its own thread, to
+/// `dir/seq.N` (names sharing a stem), the first two also to `dir/shared.snap`; then checks every
+/// file. Returns whether a concurrent save ran (it needs two sequences that can snapshot).
+fn save_concurrently(live: &[Option<Live>], start: usize, dir: &Path) -> bool {
+    let picked: Vec<(&Sequence, Vec<u8>)> = (0..live.len())
+        .filter_map(|i| live[(start + i) % live.len()].as_ref())
+        .filter_map(|l| l.seq.snapshot_bytes().ok().map(|b| (&l.seq, b)))
+        .take(4)
+        .collect();
+    if picked.len() < 2 {
+        return false;
+    }
+    let shared = dir.join("shared.snap");
+    std::thread::scope(|scope| {
+        for (i, (seq, _)) in picked.iter().enumerate() {
+            let (own, shared) = (dir.join(format!("seq.{i}")), &shared);
+            scope.spawn(move || {
+                seq.save(&own).expect("a concurrent save fails");
+                if i < 2 {
+                    seq.save(shared)
+                        .expect("a concurrent save of one path fails");
+                }
+            });
+        }
+    });
+    for (i, (_, want)) in picked.iter().enumerate() {
+        let path = dir.join(format!("seq.{i}"));
+        assert!(
+            &std::fs::read(&path).unwrap() == want,
+            "seq.{i} holds another snapshot"
+        );
+        let back = Sequence::load(&path, None, None).expect("a saved file loads");
+        assert!(
+            &back.snapshot_bytes().unwrap() == want,
+            "seq.{i} does not round-trip"
+        );
+    }
+    let got = std::fs::read(&shared).unwrap();
+    assert!(
+        got == picked[0].1 || got == picked[1].1,
+        "the shared file mixes writers"
+    );
+    let left = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with(sjkvarn::atomic_file::TEMP_SUFFIX)
+        })
+        .count();
+    assert_eq!(left, 0, "temporary files left behind");
+    true
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let (mut tokens, mut sequences, mut seed, mut json) = (2_000_000usize, 64usize, 1u64, None);
@@ -219,6 +279,8 @@ fn main() {
     let start = Instant::now();
     let rss_start = rss_kib("VmRSS:");
     let mut rss_mid = 0u64;
+    let files = std::env::temp_dir().join(format!("sjkvarn-soak-{}", std::process::id()));
+    std::fs::create_dir_all(&files).expect("a folder for the saved files");
     while appended < tokens {
         steps += 1;
         if appended >= tokens / 2 && rss_mid == 0 {
@@ -235,6 +297,12 @@ fn main() {
             *counts.entry("create").or_default() += 1;
         }
         let op = rng.next_u64() % 100;
+        if op == 96 {
+            let start = rng.next_u64() as usize % sequences;
+            if save_concurrently(&live, start, &files) {
+                *counts.entry("concurrent_save").or_default() += 1;
+            }
+        }
         let l = live[slot].as_mut().expect("live");
         let len = l.seq.len(0).unwrap();
         match op {
@@ -351,7 +419,8 @@ fn main() {
                     *counts.entry("pool_exhausted").or_default() += 1;
                 }
             }
-            94..=96 => {
+            96 => {}
+            94..=95 => {
                 let Ok(bytes) = l.seq.snapshot_bytes() else {
                     continue;
                 };
@@ -376,6 +445,7 @@ fn main() {
         }
     }
     check_pool(&pool, &live);
+    let _ = std::fs::remove_dir_all(&files);
     live.clear();
     assert_eq!(pool.stats().used, 0, "every slot returns to the pool");
     let secs = start.elapsed().as_secs_f64();

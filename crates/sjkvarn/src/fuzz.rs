@@ -246,12 +246,113 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     Ok(outcome)
 }
 
+/// Concurrent saves and loads of snapshot files. Two to four writers, each with its own
+/// sequence of an input-chosen length, save at once either to paths sharing a stem (`s.0`,
+/// `s.1`, ...) or all to one path, while a reader loads the files being replaced. Every file must
+/// end up holding one writer's whole snapshot (its own writer's where paths differ), every
+/// concurrent load must see an old or a new whole snapshot, and no temporary may remain.
+pub fn target_files(input: &[u8]) -> Result<Outcome, String> {
+    static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut b = Bytes::new(input);
+    let writers = 2 + b.u8() as usize % 3;
+    let one_path = b.u8() % 2 == 1;
+    let mut config = CacheConfig::uniform(1, 2, 1, 64, LayerCoding::scalar(4, 4), 1024);
+    (config.min_tail, config.max_tail, config.max_chunk) = (128, 256, 64);
+    let config = Arc::new(config);
+    let mut rng = SplitMix64::new(b.u16() as u64);
+    let mut seqs = Vec::with_capacity(writers);
+    for _ in 0..writers {
+        let n = 1 + b.u16() as usize % 700;
+        let mut seq = Sequence::new(config.clone(), Sequence::pool_for(&config, 1))
+            .map_err(|e| e.to_string())?;
+        for at in (0..n).step_by(64) {
+            let m = 64.min(n - at);
+            seq.append(0, &rng.gaussians(m * 64), &rng.gaussians(m * 64))
+                .map_err(|e| e.to_string())?;
+        }
+        seqs.push(seq);
+    }
+    let snaps: Vec<Vec<u8>> = seqs
+        .iter()
+        .map(|s| s.snapshot_bytes().map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("sjkvarn-fuzz-files-{}-{run}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = |i: usize| {
+        dir.join(if one_path {
+            "s.snap".into()
+        } else {
+            format!("s.{i}")
+        })
+    };
+    // An older snapshot at every path first, so a load during the saves has something to read.
+    let old = Sequence::new(config.clone(), Sequence::pool_for(&config, 1))
+        .and_then(|s| s.snapshot_bytes())
+        .map_err(|e| e.to_string())?;
+    for i in 0..writers {
+        std::fs::write(path(i), &old).map_err(|e| e.to_string())?;
+    }
+    let checked = std::thread::scope(|scope| -> Result<(), String> {
+        let handles: Vec<_> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let p = path(i);
+                scope.spawn(move || s.save(&p).map_err(|e| format!("save {i}: {e}")))
+            })
+            .collect();
+        for round in 0..4 {
+            let p = path(round % writers);
+            let got = std::fs::read(&p).map_err(|e| format!("concurrent read: {e}"))?;
+            if got != old && !snaps.contains(&got) {
+                return Err("a concurrent load saw a file that is no whole snapshot".into());
+            }
+            Sequence::from_snapshot(&got, None, None)
+                .map_err(|e| format!("a concurrent load failed: {e}"))?;
+        }
+        for h in handles {
+            h.join().map_err(|_| "a save panicked".to_string())??;
+        }
+        Ok(())
+    });
+    let verdict = checked.and_then(|()| {
+        for i in 0..writers {
+            let got = std::fs::read(path(i)).map_err(|e| e.to_string())?;
+            let fine = if one_path {
+                snaps.contains(&got)
+            } else {
+                got == snaps[i]
+            };
+            if !fine {
+                return Err(format!("file {i} does not hold its writer's snapshot"));
+            }
+        }
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .map_err(|e| e.to_string())?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        if names
+            .iter()
+            .any(|n| n.ends_with(crate::atomic_file::TEMP_SUFFIX))
+        {
+            return Err(format!("temporaries left behind: {names:?}"));
+        }
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    verdict?;
+    Ok(format!("files {writers} one_path={one_path}"))
+}
+
 /// The target called `name`.
 pub fn target(name: &str) -> Option<Target> {
     match name {
         "records" => Some(target_records),
         "snapshot" => Some(target_snapshot),
         "api" => Some(target_api),
+        "files" => Some(target_files),
         _ => None,
     }
 }

@@ -51,6 +51,7 @@
 //! Lower layers: [`hadamard`], [`balance`], [`body`], [`tq`] and [`records`] (the v1 extension
 //! body and comparators); `examples/serve.rs` shows a server loop over many sequences.
 
+pub mod atomic_file;
 pub mod balance;
 pub mod bitpack;
 pub mod body;

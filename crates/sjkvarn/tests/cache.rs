@@ -671,3 +671,49 @@ fn tq6_ring_rows_attend_as_their_decoded_rows() {
         assert!(err <= 3e-4, "error {err:.2e} of the norm");
     }
 }
+
+#[test]
+fn a_state_stream_with_bytes_after_its_end_is_refused() {
+    let mut rng = SplitMix64::new(41);
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let mut seq = new_seq(cfg.clone());
+    for layer in 0..2 {
+        seq.append(layer, &kv(&mut rng, 500, 2), &kv(&mut rng, 500, 2))
+            .unwrap();
+    }
+    let mut stream = seq.state_bytes().unwrap();
+    assert!(Sequence::from_state(Arc::new(cfg.clone()), None, &stream).is_ok());
+    stream.push(1);
+    assert!(matches!(
+        Sequence::from_state(Arc::new(cfg), None, &stream),
+        Err(CacheError::State(sjkvarn::journal::StateError::Corrupt(_)))
+    ));
+}
+
+#[test]
+fn overflowing_scores_are_an_error_not_nan() {
+    let mut rng = SplitMix64::new(43);
+    let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
+    let mut seq = new_seq(cfg);
+    for layer in 0..2 {
+        seq.append(layer, &kv(&mut rng, 700, 2), &kv(&mut rng, 700, 2))
+            .unwrap();
+    }
+    let q = rng.gaussians(4 * D);
+    // Large but in range: the result is finite.
+    let big: Vec<f32> = q.iter().map(|x| x * 1e30).collect();
+    assert!(attend(&seq, 0, &big, None)
+        .unwrap()
+        .iter()
+        .all(|x| x.is_finite()));
+    let huge: Vec<f32> = q.iter().map(|x| x * 3e37).collect();
+    match attend(&seq, 0, &huge, None) {
+        Err(CacheError::ScoreOverflow { scaled_query }) => assert!(scaled_query > 1e37),
+        other => panic!("expected ScoreOverflow, got {other:?}"),
+    }
+    // The same through `scale`.
+    assert!(matches!(
+        attend(&seq, 0, &q, Some(1e38)),
+        Err(CacheError::ScoreOverflow { .. })
+    ));
+}

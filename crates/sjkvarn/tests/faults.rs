@@ -111,7 +111,7 @@ fn interrupted_snapshot_never_replaces_a_good_file() {
     let newer = seq.snapshot_bytes().unwrap();
     for cut in [0, 1, 27, good.len() / 2, newer.len() - 1] {
         faults::fail_snapshot_write_after(cut);
-        assert!(matches!(seq.save(&path), Err(CacheError::Io(_))));
+        assert!(matches!(seq.save(&path), Err(CacheError::Io { .. })));
         faults::clear();
         assert_eq!(
             std::fs::read(&path).unwrap(),

@@ -25,7 +25,7 @@ fn inputs(folder: &str, target: &str) -> Vec<(PathBuf, Vec<u8>)> {
 #[test]
 fn committed_fuzz_inputs_pass() {
     let mut total = 0;
-    for name in ["records", "snapshot", "api"] {
+    for name in ["records", "snapshot", "api", "files"] {
         let f = sjkvarn::fuzz::target(name).expect("known target");
         let corpus = inputs("corpus", name);
         assert!(!corpus.is_empty(), "fuzz/corpus/{name} is committed");

@@ -9,14 +9,16 @@
 //! - `api`: the argument validation the Python layer relies on: arbitrary configurations, then
 //!   appends, attention, truncation, seals, forks and snapshots with arbitrary shapes, layers,
 //!   positions and values (NaN, Inf, huge). Every call must return Ok or an error, and a call
-//!   that errs must leave the sequence byte-identical.
+//!   that errs must leave the sequence byte-identical;
+//! - `files`: concurrent saves to paths sharing a stem or to one path, with loads of the files
+//!   being replaced: every file holds one whole snapshot, its own writer's where paths differ.
 //!
 //! A blind mutational fuzzer (no coverage feedback): inputs come from the committed corpus
 //! (`fuzz/corpus/<target>/`) and are mutated by bit flips, byte writes, truncation, splicing and
 //! insertion; inputs that reach an outcome not seen before join the in-memory corpus. A panic
 //! or a broken invariant writes the input to `fuzz/crashes/` and exits 1.
 //!
-//! `sjkvarn-fuzz [--seconds N] [--write-corpus] [records|snapshot|api ...]`
+//! `sjkvarn-fuzz [--seconds N] [--write-corpus] [records|snapshot|api|files ...]`
 
 use sjkvarn::cache::snapshot::fnv1a64;
 use sjkvarn::fuzz::{seed_corpus, Outcome};
@@ -154,14 +156,18 @@ fn main() {
             }
             "--write-corpus" => write_corpus = true,
             "-h" | "--help" => {
-                println!("sjkvarn-fuzz [--seconds N] [--write-corpus] [records|snapshot|api ...]");
+                println!(
+                    "sjkvarn-fuzz [--seconds N] [--write-corpus] [records|snapshot|api|files ...]"
+                );
                 return;
             }
             t => targets.push(t.to_string()),
         }
     }
     if targets.is_empty() {
-        targets = vec!["records".into(), "snapshot".into(), "api".into()];
+        targets = ["records", "snapshot", "api", "files"]
+            .map(String::from)
+            .to_vec();
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     // Panics are caught and reported per input; keep their messages off the terminal.

@@ -780,7 +780,10 @@ fn attend_at(
     check_finite(q)?;
     if let Some(s) = scale {
         if !s.is_finite() {
-            return Err(crate::CodecError::NonFinite { index: 0 }.into());
+            return Err(crate::CodecError::InvalidSetting(format!(
+                "scale must be finite, got {s}"
+            ))
+            .into());
         }
     }
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
@@ -889,7 +892,22 @@ fn attend_at(
             o.iter_mut().for_each(|x| *x *= inv);
         }
     }
+    // Keys and queries are finite, so a non-finite output means the scores overflowed.
+    if out.iter().any(|x| !x.is_finite()) {
+        return Err(score_overflow(q, d, scale));
+    }
     Ok(out)
+}
+
+/// The error of scores that left the f32 range: names the largest `scale * |q_row|`.
+pub(crate) fn score_overflow(q: &[f32], d: usize, scale: f32) -> CacheError {
+    let largest = q
+        .chunks_exact(d)
+        .map(|row| row.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt())
+        .fold(0.0f64, f64::max);
+    CacheError::ScoreOverflow {
+        scaled_query: (largest * scale.abs() as f64) as f32,
+    }
 }
 
 #[cfg(test)]

@@ -74,12 +74,46 @@ pub enum CacheError {
     #[error("state refused: {0}")]
     State(#[from] crate::journal::StateError),
 
-    #[error("snapshot i/o: {0}")]
-    Io(String),
+    /// Reading or writing a file failed; the target file is as it was.
+    #[error("{path}: {detail}")]
+    Io {
+        path: String,
+        kind: std::io::ErrorKind,
+        /// The OS error number, where the OS gave one.
+        errno: Option<i32>,
+        detail: String,
+    },
+
+    /// Attention scores left the float32 range (a query or scale far larger than any model's);
+    /// the output would be NaN, so none is returned.
+    #[error("attention overflowed float32: scale * |q| is {scaled_query:e} and the scores scale * q.k passed 3.4e38; scale the query or `scale` down")]
+    ScoreOverflow { scaled_query: f32 },
 
     /// The configuration is valid but this machine cannot allocate it; nothing was allocated.
     #[error("cannot allocate {bytes} bytes for {what}")]
     OutOfMemory { what: &'static str, bytes: usize },
+}
+
+impl CacheError {
+    /// The error of an i/o failure on `path`.
+    pub fn io(path: &std::path::Path, e: &std::io::Error) -> Self {
+        let errno = e.raw_os_error();
+        let text = e.to_string();
+        // The OS's own wording, without Rust's " (os error N)" (the number is kept in `errno`).
+        let detail = match errno {
+            Some(n) => text
+                .strip_suffix(&format!(" (os error {n})"))
+                .unwrap_or(&text)
+                .to_owned(),
+            None => text,
+        };
+        CacheError::Io {
+            path: path.display().to_string(),
+            kind: e.kind(),
+            errno,
+            detail,
+        }
+    }
 }
 
 pub type CacheResult<T> = std::result::Result<T, CacheError>;

@@ -15,8 +15,8 @@
 //! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
 //! `b"SJKVSNAP"`, `version: u32` (2), `payload_len: u64`, payload = configuration block then per
 //! layer `len: u64` and its `SJKVSEQ` stream, `fnv1a64(everything before): u64`. Version-1 files (written before the reference format) are refused with what to do.
-//! Files are written to a temporary name, synced, then renamed, so an interrupted save never
-//! replaces a good file.
+//! Files are replaced through [`crate::atomic_file`] (a private temporary, fsync, rename,
+//! directory fsync), so an interrupted save never replaces a good file.
 
 use super::auto_staging::StagingPick;
 use super::config::{CacheConfig, LayerCoding, SinkType, Staging};
@@ -429,6 +429,11 @@ impl Sequence {
         bytes: &[u8],
     ) -> CacheResult<Sequence> {
         config.validate()?;
+        // The reference reads a stream out of a larger buffer; a stream handed over on its own
+        // must end where its header says (as a snapshot file must).
+        if journal::peek(bytes)?.total_bytes != bytes.len() {
+            return Err(journal::StateError::Corrupt("bytes after the end of the stream").into());
+        }
         let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
         let mut seq = Sequence::new(config.clone(), pool)?;
         let all: Vec<usize> = (0..config.layers).collect();
@@ -546,25 +551,19 @@ impl Sequence {
         Ok(out)
     }
 
-    /// Writes the snapshot to `path` atomically (temporary file, fsync, rename).
+    /// Writes the snapshot to `path` atomically and durably ([`crate::atomic_file`]): a
+    /// temporary of this call's own, fsync, rename, directory fsync. Concurrent saves (of one
+    /// path or of paths sharing a stem) never mix: each file holds one whole snapshot.
     pub fn save(&self, path: &Path) -> CacheResult<()> {
-        let io = |e: std::io::Error| CacheError::Io(format!("{}: {e}", path.display()));
         let bytes = self.snapshot_bytes()?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let result = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
+        crate::atomic_file::replace_with(path, |f| {
             if let Some(limit) = super::faults::take_snapshot_limit() {
                 f.write_all(&bytes[..limit.min(bytes.len())])?;
                 return Err(std::io::Error::other("injected failure while writing"));
             }
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(io)
+            f.write_all(&bytes)
+        })
+        .map_err(|e| CacheError::io(path, &e))
     }
 
     /// Restores a sequence from snapshot bytes into `pool` (a new pool sized for one sequence
@@ -642,8 +641,7 @@ impl Sequence {
         pool: Option<Arc<RecordPool>>,
         expected: Option<&CacheConfig>,
     ) -> CacheResult<Sequence> {
-        let bytes =
-            std::fs::read(path).map_err(|e| CacheError::Io(format!("{}: {e}", path.display())))?;
+        let bytes = std::fs::read(path).map_err(|e| CacheError::io(path, &e))?;
         Self::from_snapshot(&bytes, pool, expected)
     }
 }

@@ -112,9 +112,7 @@ fn write_atomically(path: &std::path::Path, text: &str) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    crate::atomic_file::replace(path, text.as_bytes())
 }
 
 /// Query-group sizes with an attention kernel (`sj_attend_gs{N}`).

@@ -819,7 +819,13 @@ impl DeviceSequence {
         let (qp, op) = (dptr(&qd, &s), dptr(&out, &s));
         // SAFETY: qd and out hold n rows and outlive the queued work (copied back below).
         unsafe { self.attend_raw(layer, qp, q.len() / per, op, scale, None) }?;
-        Ok(s.clone_dtoh(&out)?)
+        let out = s.clone_dtoh(&out)?;
+        if out.iter().any(|x| !x.is_finite()) {
+            let d = self.config.head_dim;
+            let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+            return Err(crate::cache::attention::score_overflow(q, d, scale).into());
+        }
+        Ok(out)
     }
 
     /// Keeps the first `n` tokens of every layer; returns the resume position as the CPU does
