@@ -147,9 +147,9 @@ def test_eval_refuses_a_context_longer_than_the_model_takes(
     assert "16896 positions needed but the model takes at most 8192" in err
 
 
-def test_main_preset_runs_seed_arms_with_the_real_tails() -> None:
-    """The main job's arms are seed arms unchanged (the 4,096/8,192 SJ-KVaRN tails, KVarN tail
-    0 as the baseline) on Gemma 3 270M."""
+def test_main_preset_runs_seed_arms_with_the_shipped_journal() -> None:
+    """The main job's arms are seed arms unchanged (SJ-KVaRN with the journal ``Config()``
+    ships, KVarN tail 0 as the baseline) on Gemma 3 270M; the reference journal is a seed arm."""
     if cli.missing_eval_packages():
         pytest.skip("the eval extra is not installed")
     from sjkvarn.eval import evaluation
@@ -159,8 +159,11 @@ def test_main_preset_runs_seed_arms_with_the_real_tails() -> None:
     seed = {a.name: a for a in evaluation.seed_arms()}
     assert all(a == seed[a.name] for a in arms)
     sj = next(a for a in arms if a.name == "SJ-KVaRN 4/4")
-    assert sj.journal is not None and (sj.journal["min_tail"], sj.journal["max_tail"]) == (
+    assert sj.journal == {"k_bits": 4, "v_bits": 4}  # tails and staging: Config()'s
+    ref = seed["SJ-KVaRN 4/4 reference"].journal
+    assert ref is not None and (ref["min_tail"], ref["max_tail"], ref["staging"]) == (
         4096,
         8192,
+        "tq6_0",
     )
     assert "KVarN 4/4 tail 0" in evaluation.MAIN_ARMS and cli.PRESETS["main"][0] == "gemma3"

@@ -11,11 +11,12 @@ from sjkvarn import memory
 
 def test_seed_rows_for_qwen() -> None:
     geo = memory.geometry("qwen3.8-27b")
-    gb = {r["format"]: r["gb"] for r in memory.table(geo, 110_592, None)}
+    seed = memory.Journal.reference()
+    gb = {r["format"]: r["gb"] for r in memory.table(geo, 110_592, None, seed)}
     assert gb["f16"] == pytest.approx(6.75, rel=0.02)
     assert gb["q8_0"] == pytest.approx(3.59, rel=0.02)
     assert gb["SJ-KVaRN 4/4"] == pytest.approx(1.99, rel=0.02)
-    at_200k = {r["format"]: r["gb"] for r in memory.table(geo, 204_800, None)}
+    at_200k = {r["format"]: r["gb"] for r in memory.table(geo, 204_800, None, seed)}
     assert at_200k["SJ-KVaRN 3/2t"] == pytest.approx(2.36, rel=0.02)
 
 
@@ -37,8 +38,14 @@ def test_budget_search_is_the_largest_fitting_context() -> None:
 
 def test_rule_matches_a_real_cache() -> None:
     """The formula equals what sjkvarn.Cache allocates just after a seal (small geometry)."""
-    journal = memory.Journal(min_tail=128, max_tail=384, max_chunk=64)
+    for staging in ("q8_0/tq6_0", "tq6_0", "f16"):
+        check_rule(staging)
+
+
+def check_rule(staging: str) -> None:
+    journal = memory.Journal(min_tail=128, max_tail=384, max_chunk=64, staging=staging)
     cfg = sjkvarn.Config(
+        staging=staging,
         layers=2, kv_heads=2, head_dim=64, min_tail=128, max_tail=384, max_chunk=64, max_tokens=4096
     )
     cache = sjkvarn.Cache(cfg)

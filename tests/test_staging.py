@@ -45,7 +45,7 @@ def test_auto_picks_eight_bit_keys_for_outlier_channels_and_six_bit_for_gaussian
     assert "keys q8_0" in outlier["explanation"]
     # The ring holds what was picked: 8.5-bit keys cost more than 6.125-bit ones.
     mem = cache.memory()
-    fixed = Cache(Config(layers=2, kv_heads=HEADS, head_dim=DIM, max_tokens=4096))
+    fixed = Cache(Config(layers=2, kv_heads=HEADS, head_dim=DIM, max_tokens=4096, staging="tq6_0"))
     assert mem["ring_bytes"] > fixed.memory()["ring_bytes"]
 
 

@@ -120,6 +120,14 @@ def _parse_device(device: str) -> tuple[str, int]:
     raise InvalidInputError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+# The journal presets live in the Rust core (``DEFAULT_JOURNAL``, ``REFERENCE_JOURNAL``).
+_PRESETS: dict[str, dict[str, Any]] = _core.journal_presets()
+#: ``min_tail``, ``max_tail`` and ``staging`` of ``Config()`` and of ``Config.reference()``.
+DEFAULT_JOURNAL: dict[str, Any] = dict(_PRESETS["default"])
+REFERENCE_JOURNAL: dict[str, Any] = dict(_PRESETS["reference"])
+_DEFAULT, _REFERENCE = DEFAULT_JOURNAL, REFERENCE_JOURNAL
+
+
 @dataclass
 class Config:
     """Geometry, per-layer coding, tail sizes and staging of a cache.
@@ -127,10 +135,16 @@ class Config:
     ``body`` is ``"scalar"`` or ``"trellis"`` (the reference trellis: 3/3, 3/2 or 2/2);
     ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per layer (tiered edge layers).
 
-    ``staging`` is ``"tq6_0"`` (default), ``"f16"`` (rotated fp16) or ``"q8_0"`` (extension) for
-    keys and values, ``"K/V"`` for different types (for example ``"q8_0/tq6_0"``: 8-bit keys,
-    6-bit values), or ``"auto"``: each layer measures every type on its own first rows and keeps
-    the smallest within ``staging_budget`` (default 0.04; see :meth:`Cache.staging_report`).
+    ``staging`` is how ring rows are stored: ``"tq6_0"``, ``"f16"`` (rotated fp16) or
+    ``"q8_0"`` (extension) for keys and values, ``"K/V"`` for different types, or ``"auto"``:
+    each layer measures every type on its own first rows and keeps the smallest within
+    ``staging_budget`` (default 0.04; see :meth:`Cache.staging_report`). ``staging``,
+    ``min_tail`` and ``max_tail`` left ``None`` take the device's journal: on the CPU the
+    core's ``DEFAULT_JOURNAL`` (``"q8_0/tq6_0"``, 2,048..3,072 unsealed tokens: keys of small
+    models lose more in a 6-bit ring than in the 4-bit body, ``docs/results/quality.md``); on
+    CUDA, whose ring stores ``tq6_0`` rows only, the reference's. :meth:`Config.reference`
+    gives the SJ-KVaRN reference codec's journal (``tq6_0``, 4,096..8,192), which writes its
+    format byte for byte. A cache's ``config`` holds the resolved values.
     Staging types are not part of sealed records.
 
     ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the reference's
@@ -151,20 +165,28 @@ class Config:
     v_bits: int = 4
     body: str = "scalar"
     layer_bits: list[tuple[int, int, str]] | None = field(default=None)
-    min_tail: int = 4096
-    max_tail: int = 8192
+    min_tail: int | None = None
+    max_tail: int | None = None
     max_chunk: int = 512
     flush_chunk: int = 0
     max_tokens: int = 32768
     passes: int = 16
     mode: str = "final"
     stat: str = "std"
-    staging: str = "tq6_0"
+    staging: str | None = None
     staging_budget: float | None = None
     sink: int = 128
     sink_type: str = "f16"
     device: str = "cpu"
     pool_sequences: int = 1
+
+    @classmethod
+    def reference(cls, **fields: Any) -> Config:
+        """A configuration with the SJ-KVaRN reference codec's journal (``tq6_0`` ring rows,
+        4,096..8,192 unsealed tokens): with 2..4-bit bodies and ``head_dim`` a multiple of 128
+        it writes the reference format (``Cache.reference_format``); the CUDA backend's ring.
+        ``fields`` are the other settings (geometry first)."""
+        return cls(**{**_REFERENCE, **fields})
 
     def layer_coding(self) -> list[tuple[int, int, str, str]]:
         if self.layer_bits is not None:
@@ -176,6 +198,13 @@ class Config:
         else:
             rows = [(self.k_bits, self.v_bits, self.body, self.body)] * self.layers
         return rows
+
+
+def _resolved(config: Config, device_kind: str) -> Config:
+    """``config`` with unset journal fields (``None``) taken from the device's journal."""
+    preset = REFERENCE_JOURNAL if device_kind == "cuda" else DEFAULT_JOURNAL
+    unset = {k: v for k, v in preset.items() if getattr(config, k) is None}
+    return replace(config, **unset) if unset else config
 
 
 def _checked_coding(config: Config) -> list[tuple[int, int, str, str]]:
@@ -201,6 +230,7 @@ def _checked_coding(config: Config) -> list[tuple[int, int, str, str]]:
 def _spec_of(config: Config) -> Any:
     """The validated core configuration of ``config``: every field is type- and range-checked
     here (an sjkvarn error naming it), then the core checks what the values mean."""
+    config = _resolved(config, "cpu")
     count = args.integer
     q_heads = config.kv_heads if config.q_heads is None else config.q_heads
     budget = config.staging_budget
@@ -290,15 +320,18 @@ class Cache:
     def __init__(self, config: Config, *, _core_cache: Any = None) -> None:
         if not isinstance(config, Config):
             raise UnsupportedTypeError(f"config must be a Config, got {type(config).__name__}")
-        # q_heads=None means "as many as kv_heads": store it resolved, as a restored cache has it.
+        kind, ordinal = _parse_device(args.text("device", config.device))
+        # q_heads=None means "as many as kv_heads", unset journal fields the device's journal:
+        # store them resolved, as a restored cache has them.
         q_heads = config.kv_heads if config.q_heads is None else config.q_heads
-        self.config = replace(config, q_heads=q_heads)
+        config = _resolved(replace(config, q_heads=q_heads), kind)
+        self.config = config
         if _core_cache is not None:
             self._core = _core_cache
             self._ordinal = int(getattr(_core_cache, "ordinal", 0))
             return
+        self._ordinal = ordinal
         spec = _spec_of(config)
-        kind, self._ordinal = _parse_device(config.device)
         if kind == "cuda":
             load_nvrtc()
             self._core = _core.DeviceCache(self._ordinal, spec, config.pool_sequences)
@@ -467,6 +500,7 @@ class Cache:
         if not isinstance(config, Config):
             raise UnsupportedTypeError(f"config must be a Config, got {type(config).__name__}")
         data = args.byte_string("data", data)
+        config = _resolved(config, "cpu")
         core = _core.Cache.from_state(_spec_of(config), data, config.pool_sequences)
         return cls(replace(config, device="cpu"), _core_cache=core)
 

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--budget-gb", type=float, default=None, help="find the largest context")
     ev = sub.add_parser("eval", help="KL of every cache arm against an exact cache (default)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
-    ev.add_argument("--text", action="append", default=None, help="history file (repeatable)")
+    ev.add_argument(
+        "--text", action="extend", nargs="+", default=None, help="history files (repeatable)"
+    )
     ev.add_argument(
         "--histories",
         nargs="+",

@@ -2,7 +2,9 @@
 
 Flat formats allocate ``bits/value x values``. An SJ-KVaRN cache allocates, per full-attention
 layer: the fp16 sink (128 tokens), the staging ring in full up front
-(``PAD(max_tail + 128 + 2*max_chunk, 128)`` rows of ``tq6_0``), and one body record per sealed
+(``PAD(max_tail + 128 + 2*max_chunk, 128)`` rows in the journal's K and V staging types: by
+default ``q8_0`` keys and ``tq6_0`` values, the reference ``tq6_0`` for both), and one body
+record per sealed
 128-token group; at a context of ``N`` tokens the body holds ``N - 128 - min_tail`` tokens (just
 after a seal). GB = 1,024 MiB.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sjkvarn import codec
+from sjkvarn.cache import DEFAULT_JOURNAL, REFERENCE_JOURNAL
 
 GIB = 1024**3
 
@@ -58,23 +61,41 @@ def geometry(
     return Geometry(layers, kv_heads, head_dim)
 
 
-def staging_row_bytes(head_dim: int) -> int:
-    """Bytes of one tq6_0 staging row (blocks of 128 values, or 64 for 64-wide heads)."""
+def staging_row_bytes(head_dim: int, staging: str = "tq6_0") -> int:
+    """Bytes of one staging row of ``head_dim`` values: ``tq6_0`` (blocks of 128 values, or 64
+    for 64-wide heads), ``q8_0`` (blocks of 32) or ``f16``."""
+    if staging == "q8_0":
+        return head_dim // 32 * 34
+    if staging == "f16":
+        return head_dim * 2
     block = min(head_dim, 128)
     return head_dim // block * (2 + block * 6 // 8)
 
 
 @dataclass(frozen=True)
 class Journal:
-    min_tail: int = 4096
-    max_tail: int = 8192
+    """Tails and ring staging (``"K/V"`` or one type for both); the defaults are ``Config()``'s
+    journal on the CPU, :meth:`reference` the reference codec's."""
+
+    min_tail: int = DEFAULT_JOURNAL["min_tail"]
+    max_tail: int = DEFAULT_JOURNAL["max_tail"]
     max_chunk: int = 512
+    staging: str = DEFAULT_JOURNAL["staging"]
+
+    @classmethod
+    def reference(cls, **fields: int) -> Journal:
+        return cls(**{**REFERENCE_JOURNAL, **fields})
 
     @property
     def ring_rows(self) -> int:
         """The reference's ring size: ``PAD(max(tail, tail_max) + G + 2 * n_ubatch, 128)``."""
         need = max(self.min_tail, self.max_tail) + codec.GROUP + 2 * self.max_chunk
         return -(-need // 128) * 128
+
+    def ring_row_bytes(self, head_dim: int) -> int:
+        """Bytes of one ring position of one KV head (its K row and its V row)."""
+        k, _, v = self.staging.partition("/")
+        return staging_row_bytes(head_dim, k) + staging_row_bytes(head_dim, v or k)
 
 
 def flat_bytes(fmt: str, geo: Geometry, tokens: int) -> float:
@@ -86,7 +107,7 @@ def sjkvarn_bytes(
 ) -> float:
     heads = geo.layers * geo.kv_heads
     sink = heads * 128 * geo.head_dim * 2 * 2
-    ring = heads * journal.ring_rows * 2 * staging_row_bytes(geo.head_dim)
+    ring = heads * journal.ring_rows * journal.ring_row_bytes(geo.head_dim)
     record = codec.body_layout(geo.head_dim, k_bits, v_bits).record_bytes
     body_tokens = max(0, tokens - 128 - journal.min_tail)
     return sink + ring + heads * record * body_tokens / codec.GROUP

@@ -292,8 +292,32 @@ fn _inject_seal_failure(after: Option<usize>) {
     }
 }
 
+/// The journal presets, stated once in the core: `{"default": {...}, "reference": {...}}`, each
+/// with `min_tail`, `max_tail` and `staging` (`"K/V"` when keys and values differ).
+#[pyfunction]
+fn journal_presets(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    use sjkvarn::cache::{JournalPreset, DEFAULT_JOURNAL, REFERENCE_JOURNAL};
+    let as_dict = |p: JournalPreset| -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("min_tail", p.min_tail)?;
+        d.set_item("max_tail", p.max_tail)?;
+        let staging = if p.k_staging == p.v_staging {
+            p.k_staging.name().to_string()
+        } else {
+            format!("{}/{}", p.k_staging.name(), p.v_staging.name())
+        };
+        d.set_item("staging", staging)?;
+        Ok(d)
+    };
+    let out = pyo3::types::PyDict::new(py);
+    out.set_item("default", as_dict(DEFAULT_JOURNAL)?)?;
+    out.set_item("reference", as_dict(REFERENCE_JOURNAL)?)?;
+    Ok(out)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(journal_presets, m)?)?;
     errors::register(m)?;
     m.add_class::<cache::Cache>()?;
     m.add_class::<cuda::DeviceCache>()?;

@@ -717,3 +717,80 @@ fn overflowing_scores_are_an_error_not_nan() {
         Err(CacheError::ScoreOverflow { .. })
     ));
 }
+
+#[test]
+fn the_recommended_journal_is_the_default_and_the_reference_stays_reachable() {
+    use sjkvarn::cache::{DEFAULT_JOURNAL, REFERENCE_JOURNAL};
+    let coding = LayerCoding::scalar(4, 4);
+    let rec = CacheConfig::recommended(2, 4, 2, 128, coding, 8192);
+    let reference = CacheConfig::uniform(2, 4, 2, 128, coding, 8192);
+    assert_eq!(
+        (rec.min_tail, rec.max_tail, rec.k_staging, rec.v_staging),
+        (2048, 3072, Staging::Q8_0, Staging::Tq6)
+    );
+    assert_eq!(
+        (reference.min_tail, reference.max_tail, reference.k_staging, reference.v_staging),
+        (4096, 8192, Staging::Tq6, Staging::Tq6)
+    );
+    assert_eq!(rec.clone().with_journal(REFERENCE_JOURNAL), reference);
+    assert_eq!(reference.clone().with_journal(DEFAULT_JOURNAL), rec);
+    assert!(reference.is_reference() && !rec.is_reference());
+}
+
+#[test]
+fn the_recommended_journal_round_trips_and_truncates() {
+    // Small tails of the same shape (q8_0 keys, tq6_0 values), so seals happen in a short test.
+    let mut rng = SplitMix64::new(47);
+    let mut cfg = CacheConfig::recommended(2, 4, 2, D, LayerCoding::scalar(4, 4), 2048);
+    (cfg.min_tail, cfg.max_tail, cfg.max_chunk) = (256, 384, 96);
+    let (k, v) = (kv(&mut rng, 1500, 2), kv(&mut rng, 1500, 2));
+    let mut seq = new_seq(cfg.clone());
+    for layer in 0..2 {
+        for at in (0..1500).step_by(96) {
+            let n = 96.min(1500 - at);
+            let r = at * 2 * D..(at + n) * 2 * D;
+            seq.append(layer, &k[r.clone()], &v[r]).unwrap();
+        }
+    }
+    assert!(seq.sealed_groups(0).unwrap() > 0);
+    let q = rng.gaussians(4 * D);
+    let stream = seq.state_bytes().unwrap();
+    let back = Sequence::from_state(Arc::new(cfg.clone()), None, &stream).unwrap();
+    assert_eq!(back.state_bytes().unwrap(), stream);
+    assert_eq!(attend(&seq, 1, &q, None).unwrap(), attend(&back, 1, &q, None).unwrap());
+    let snap = seq.snapshot_bytes().unwrap();
+    let restored = Sequence::from_snapshot(&snap, None, None).unwrap();
+    assert_eq!(restored.config(), seq.config());
+    assert_eq!(attend(&seq, 0, &q, None).unwrap(), attend(&restored, 0, &q, None).unwrap());
+    // Every truncated prefix of the stream is refused.
+    for cut in [0, 100, stream.len() / 2, stream.len() - 1] {
+        assert!(Sequence::from_state(Arc::new(cfg.clone()), None, &stream[..cut]).is_err());
+    }
+    // A cut in the body, then re-appending what the journal asks for, equals never appending.
+    let w = 2 * D;
+    let append_all = |seq: &mut Sequence, k: &[f32], v: &[f32]| {
+        for layer in 0..2 {
+            let (mut t, n) = (0, k.len() / w);
+            while t < n {
+                let take = seq.chunk_limit(layer).unwrap().min(n - t);
+                seq.append(layer, &k[t * w..(t + take) * w], &v[t * w..(t + take) * w])
+                    .unwrap();
+                t += take;
+            }
+        }
+    };
+    let cut = 700;
+    let mut a = new_seq(cfg.clone());
+    append_all(&mut a, &k, &v);
+    let back = a.truncate(cut).unwrap();
+    assert!(back <= cut && cut - back < 128);
+    append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
+    let (k2, v2) = (kv(&mut rng, 400, 2), kv(&mut rng, 400, 2));
+    append_all(&mut a, &k2, &v2);
+    let mut b = new_seq(cfg);
+    append_all(&mut b, &k[..cut * w], &v[..cut * w]);
+    append_all(&mut b, &k2, &v2);
+    a.seal_idle(0).unwrap();
+    b.seal_idle(0).unwrap();
+    assert_eq!(payload(&a), payload(&b));
+}

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from sjkvarn import codec, hf
+from sjkvarn.cache import REFERENCE_JOURNAL
 from sjkvarn.eval import stats
 from sjkvarn.eval.histories import History
 
@@ -96,22 +97,27 @@ def main_arms() -> list[Arm]:
 
 
 def seed_arms() -> list[Arm]:
-    """The seed-scale arms (`--preset seed`): the real 4,096/8,192 SJ-KVaRN tails, paper-faithful
-    KVarN with tail 0 and with its 1,024-token tail, and the flat formats people use."""
+    """The seed-scale arms (`--preset seed`): SJ-KVaRN as shipped (``Config()``'s journal) and
+    with the reference codec's journal (``Config.reference()``: ``tq6_0`` ring, 4,096/8,192),
+    paper-faithful KVarN with tail 0 and with its 1,024-token tail, and the flat formats people
+    use."""
     faithful = dict(staging="f16", passes=8, mode="best")
-    sj = dict(min_tail=4096, max_tail=8192)
+    ref = dict(REFERENCE_JOURNAL)
     kvarn = lambda k, v, tail: Arm(  # noqa: E731
         f"KVarN {k}/{v} tail {tail}",
         journal=dict(faithful, k_bits=k, v_bits=v, min_tail=tail, max_tail=tail + 128),
     )
+    trellis = lambda k, v: dict(k_bits=k, v_bits=v, body="trellis")  # noqa: E731
     return [
         kvarn(4, 4, 0),
         kvarn(4, 4, 1024),
         kvarn(3, 3, 0),
-        Arm("SJ-KVaRN 4/4", journal=dict(sj, k_bits=4, v_bits=4)),
-        Arm("SJ-KVaRN 4/4 auto ring", journal=dict(sj, k_bits=4, v_bits=4, staging="auto")),
-        Arm("SJ-KVaRN 3/3t", journal=dict(sj, k_bits=3, v_bits=3, body="trellis")),
-        Arm("SJ-KVaRN 3/2t", journal=dict(sj, k_bits=3, v_bits=2, body="trellis")),
+        Arm("SJ-KVaRN 4/4", journal=dict(k_bits=4, v_bits=4)),
+        Arm("SJ-KVaRN 4/4 reference", journal=dict(ref, k_bits=4, v_bits=4)),
+        Arm("SJ-KVaRN 4/4 auto ring", journal=dict(ref, k_bits=4, v_bits=4, staging="auto")),
+        Arm("SJ-KVaRN 3/3t", journal=trellis(3, 3)),
+        Arm("SJ-KVaRN 3/2t", journal=trellis(3, 2)),
+        Arm("SJ-KVaRN 3/2t reference", journal=dict(ref, **trellis(3, 2))),
         Arm("q8_0/q8_0", "q8_0", "q8_0"),
         Arm("q4_0/q4_0", "q4_0", "q4_0"),
         Arm("q8_0/q5_1", "q8_0", "q5_1"),
@@ -438,8 +444,6 @@ def evaluate(
             r.allocated_bits.append(info["allocated_bits"])
             bar.update()
     bar.close()
-    base = np.array(results[s.baseline].kl)
-    tasks = np.array(results[s.baseline].task)
     report: dict[str, Any] = {
         "settings": asdict(s),
         "histories": [h.name for h in histories],
@@ -448,32 +452,89 @@ def evaluate(
         "arms": {},
     }
     for name, r in results.items():
-        kl = np.array(r.kl)
-        entry: dict[str, Any] = dict(stats.summary(kl))
-        entry.update(
+        entry: dict[str, Any] = dict(
             top1=float(np.mean(r.top1)),
             bits_per_value=float(np.mean(r.bits)),
             allocated_mib=float(np.mean(r.allocated_bytes)) / 2**20,
             allocated_bits=float(np.mean(r.allocated_bits)),
             seconds=r.seconds,
-            positions=int(kl.size),
+            # Per scored position, so runs over other histories can be pooled (`--merge`).
+            per_position={"kl": r.kl, "history": r.task},
         )
         if r.sealed_fraction:
             entry["sealed_fraction"] = float(np.mean(r.sealed_fraction))
         if r.staging_picks:
             entry["staging_picks"] = r.staging_picks
-        point, lo, hi = stats.bootstrap_ratio(kl, base, s.bootstrap, s.seed)
-        entry["ratio"] = {"point": point, "ci_positions": [lo, hi]}
-        if len(histories) > 1:
-            _, tlo, thi = stats.bootstrap_ratio(kl, base, s.bootstrap, s.seed, clusters=tasks)
-            entry["ratio"]["ci_histories"] = [tlo, thi]
         report["arms"][name] = entry
+    return with_ratios(report)
+
+
+def with_ratios(report: dict[str, Any]) -> dict[str, Any]:
+    """Fills every arm's KL summary and its ratio to the baseline (paired bootstrap over
+    positions and, with several histories, over histories) from its per-position KL."""
+    s = report["settings"]
+    base = np.array(report["arms"][s["baseline"]]["per_position"]["kl"])
+    tasks = np.array(report["arms"][s["baseline"]]["per_position"]["history"])
+    for entry in report["arms"].values():
+        kl = np.array(entry["per_position"]["kl"])
+        entry.update(stats.summary(kl), positions=int(kl.size))
+        point, lo, hi = stats.bootstrap_ratio(kl, base, s["bootstrap"], s["seed"])
+        entry["ratio"] = {"point": point, "ci_positions": [lo, hi]}
+        if len(report["histories"]) > 1:
+            _, tlo, thi = stats.bootstrap_ratio(
+                kl, base, s["bootstrap"], s["seed"], clusters=tasks
+            )
+            entry["ratio"]["ci_histories"] = [tlo, thi]
     return report
 
 
+def pool_histories(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from runs of the same settings over different histories (a long evaluation
+    run one history per process): the arms all runs share, their per-position KL pooled, every
+    ratio and interval recomputed over all histories."""
+    first = reports[0]
+    names = [h for r in reports for h in r["histories"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pooled runs must score different histories, got {names}")
+    keep = {k for k in first["settings"] if k != "arms"}
+    for i, r in enumerate(reports):
+        if {k: r["settings"].get(k) for k in keep} != {k: first["settings"][k] for k in keep}:
+            raise ValueError(f"report {i} ran other settings than report 0")
+        if any("per_position" not in a for a in r["arms"].values()):
+            raise ValueError(f"report {i} has no per-position KL (written by an older version)")
+    arms = [a for a in first["arms"] if all(a in r["arms"] for r in reports)]
+    pooled: dict[str, Any] = {
+        "settings": dict(first["settings"], arms=arms),
+        "histories": names,
+        "environment": first.get("environment"),
+        "distinct_scored_tokens": [d for r in reports for d in r["distinct_scored_tokens"]],
+        "pooled_from": [r["histories"] for r in reports],
+        "arms": {},
+    }
+    for name in arms:
+        entries = [r["arms"][name] for r in reports]
+        kl, history, offset = [], [], 0
+        for r, e in zip(reports, entries, strict=True):
+            kl += e["per_position"]["kl"]
+            history += [offset + t for t in e["per_position"]["history"]]
+            offset += len(r["histories"])
+        weights = [len(r["histories"]) for r in reports]
+        means = {
+            key: float(np.average([e[key] for e in entries], weights=weights))
+            for key in ("top1", "bits_per_value", "allocated_mib", "allocated_bits")
+        }
+        pooled["arms"][name] = dict(
+            **means,
+            seconds=float(sum(e["seconds"] for e in entries)),
+            per_position={"kl": kl, "history": history},
+        )
+    return with_ratios(pooled)
+
+
 def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False) -> dict[str, Any]:
-    """One report from several runs of the same evaluation that ran different arms (a long
-    preset split across sessions): the same settings but for the arm list, the same
+    """One report from several runs of the same evaluation: runs over different histories are
+    pooled (:func:`pool_histories`); runs that ran different arms (a long preset split across
+    sessions) need the same settings but for the arm list, the same
     histories, and the same baseline in each. Every arm keeps the figures of the first run
     that has it, its ratio and CIs paired against that run's own baseline; ``merged_from``
     records each run's arms, baseline mean KL and environment, so a reader sees how far the
@@ -482,6 +543,8 @@ def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False
     if len(reports) < 2:
         raise ValueError("merging needs at least two reports")
     first = reports[0]
+    if not set(first["histories"]) & {h for r in reports[1:] for h in r["histories"]}:
+        return pool_histories(reports)
 
     def comparable(r: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in r["settings"].items() if k != "arms"}

@@ -12,6 +12,40 @@ pub const SINK: usize = 128;
 /// Longest supported sequence.
 pub const MAX_TOKENS: usize = 1 << 24;
 
+/// The journal's shape apart from geometry and body bits: the unsealed span and how ring rows
+/// are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalPreset {
+    /// Unsealed tokens kept after a seal.
+    pub min_tail: usize,
+    /// Unsealed span that triggers a seal.
+    pub max_tail: usize,
+    pub k_staging: Staging,
+    pub v_staging: Staging,
+}
+
+/// What a configuration gets unless told otherwise: keys in `q8_0`, values in `tq6_0`, 2,048 to
+/// 3,072 unsealed tokens. Keys of small models carry a large shared offset that the 6-bit
+/// `tq6_0` ring codes worse than the 4-bit body (Gemma 3 270M's layer 11: attention-output error
+/// 0.108 with `tq6_0` keys, 0.039 with `q8_0` keys); values lose little in `tq6_0`. The shorter
+/// ring keeps the allocation at or below paper-faithful KVarN with its 1,024-token exact tail
+/// at 16K and 30K tokens. Measurements: `docs/results/quality.md`.
+pub const DEFAULT_JOURNAL: JournalPreset = JournalPreset {
+    min_tail: 2048,
+    max_tail: 3072,
+    k_staging: Staging::Q8_0,
+    v_staging: Staging::Tq6,
+};
+
+/// The SJ-KVaRN reference codec's defaults (`tq6_0` keys and values, 4,096 to 8,192 unsealed
+/// tokens): what its bit-exactness vectors and golden state hashes are defined for.
+pub const REFERENCE_JOURNAL: JournalPreset = JournalPreset {
+    min_tail: 4096,
+    max_tail: 8192,
+    k_staging: Staging::Tq6,
+    v_staging: Staging::Tq6,
+};
+
 /// Bits and coding of one layer's body records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerCoding {
@@ -138,8 +172,32 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
-    /// A uniform configuration with the SJ-KVaRN defaults (4,096/8,192 tail, 16 `final` passes,
-    /// `tq6_0` staging).
+    /// A uniform configuration with the product defaults ([`DEFAULT_JOURNAL`], 16 `final`
+    /// balancing passes, a 128-token fp16 sink).
+    pub fn recommended(
+        layers: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        coding: LayerCoding,
+        max_tokens: usize,
+    ) -> Self {
+        Self::uniform(layers, q_heads, kv_heads, head_dim, coding, max_tokens)
+            .with_journal(DEFAULT_JOURNAL)
+    }
+
+    /// This configuration with `preset`'s tails and staging.
+    pub fn with_journal(mut self, preset: JournalPreset) -> Self {
+        self.min_tail = preset.min_tail;
+        self.max_tail = preset.max_tail;
+        self.k_staging = preset.k_staging;
+        self.v_staging = preset.v_staging;
+        self
+    }
+
+    /// A uniform configuration with the SJ-KVaRN reference defaults ([`REFERENCE_JOURNAL`],
+    /// 16 `final` passes, a 128-token fp16 sink): with 2..4-bit bodies and head_dim a multiple
+    /// of 128 it writes the reference format byte for byte.
     pub fn uniform(
         layers: usize,
         q_heads: usize,
@@ -154,14 +212,14 @@ impl CacheConfig {
             kv_heads,
             head_dim,
             layer_coding: vec![coding; layers],
-            min_tail: 4096,
-            max_tail: 8192,
+            min_tail: REFERENCE_JOURNAL.min_tail,
+            max_tail: REFERENCE_JOURNAL.max_tail,
             max_chunk: 512,
             flush_chunk: 0,
             max_tokens,
             balance: BalanceConfig::default(),
-            k_staging: Staging::Tq6,
-            v_staging: Staging::Tq6,
+            k_staging: REFERENCE_JOURNAL.k_staging,
+            v_staging: REFERENCE_JOURNAL.v_staging,
             auto_staging: None,
             sink: SINK,
             sink_type: SinkType::F16,

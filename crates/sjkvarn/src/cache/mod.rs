@@ -25,7 +25,10 @@ pub mod staging;
 mod tile_gemm;
 mod word_dots;
 
-pub use config::{CacheConfig, LayerCoding, SinkType, Staging, SINK};
+pub use config::{
+    CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
+    SINK,
+};
 pub use pool::RecordPool;
 pub use sequence::{LayerImage, MemoryReport, Sequence};
 
