@@ -149,3 +149,33 @@ def test_other_texts_merge_only_when_allowed_and_are_named() -> None:
     merged = evaluation.merge_reports([a, b], allow_other_texts=True)
     assert merged["other_texts"] == ["prose"]
     assert "texts differ for the histories ['prose']" in evaluation.render_markdown(merged)
+
+
+def _one_history_run(name: str, kl: dict[str, list[float]]) -> dict:
+    """A run over one history, with per-position KL as `evaluate` writes it."""
+    report = _report({arm: (4.5, float(sum(v) / len(v))) for arm, v in kl.items()}, 1.0)
+    report["histories"] = [name]
+    report["distinct_scored_tokens"] = [len(next(iter(kl.values())))]
+    for arm, values in kl.items():
+        report["arms"][arm]["per_position"] = {"kl": values, "history": [0] * len(values)}
+    return report
+
+
+def test_runs_over_different_histories_pool_into_one_report() -> None:
+    runs = [
+        _one_history_run("a", {BASE: [1.0, 3.0], "SJ-KVaRN 4/4": [0.5, 0.5], "x": [9.0, 9.0]}),
+        _one_history_run("b", {BASE: [2.0, 2.0], "SJ-KVaRN 4/4": [1.0, 3.0]}),
+        _one_history_run("c", {BASE: [4.0, 4.0], "SJ-KVaRN 4/4": [1.0, 1.0]}),
+    ]
+    pooled = evaluation.merge_reports(runs)
+    assert pooled["histories"] == ["a", "b", "c"]
+    assert list(pooled["arms"]) == [BASE, "SJ-KVaRN 4/4"]  # "x" ran on one history only
+    sj = pooled["arms"]["SJ-KVaRN 4/4"]
+    assert sj["per_position"]["history"] == [0, 0, 1, 1, 2, 2]
+    assert sj["mean"] == pytest.approx(7.0 / 6)
+    assert sj["ratio"]["point"] == pytest.approx(7.0 / 16)
+    lo, hi = sj["ratio"]["ci_histories"]
+    # Resampling whole histories: the interval spans the per-history ratios' range.
+    assert 0.25 - 1e-9 <= lo <= 7.0 / 16 <= hi <= 1.0 + 1e-9
+    with pytest.raises(ValueError, match="different histories"):
+        evaluation.pool_histories([runs[0], runs[0]])
