@@ -67,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         k_coding: trellis,
         v_coding: trellis,
     };
-    let mut config = CacheConfig::uniform(4, 8, 2, 128, middle, 4096);
+    let mut config = CacheConfig::recommended(4, 8, 2, 128, middle, 4096);
     config.layer_coding[0] = LayerCoding::scalar(4, 4);
     config.layer_coding[3] = LayerCoding::scalar(4, 4);
     (config.min_tail, config.max_tail, config.max_chunk) = (512, 1024, 256);

@@ -25,9 +25,11 @@
 //! use sjkvarn::rng::SplitMix64;
 //! use std::sync::Arc;
 //!
-//! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens;
-//! // a 256/512 tail instead of the default 4,096/8,192 so that this short prompt seals records.
-//! let mut config = CacheConfig::uniform(2, 4, 2, 128, LayerCoding::scalar(4, 4), 4096);
+//! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens,
+//! // the default journal (`q8_0` keys, `tq6_0` values in the ring; `CacheConfig::uniform` is
+//! // the reference codec's) with a 256/512 tail instead of 2,048/3,072, so that this short
+//! // prompt seals records.
+//! let mut config = CacheConfig::recommended(2, 4, 2, 128, LayerCoding::scalar(4, 4), 4096);
 //! (config.min_tail, config.max_tail) = (256, 512);
 //! let config = Arc::new(config);
 //! let mut seq = Sequence::new(config.clone(), Sequence::pool_for(&config, 1))?;

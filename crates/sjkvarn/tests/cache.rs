@@ -729,7 +729,12 @@ fn the_recommended_journal_is_the_default_and_the_reference_stays_reachable() {
         (2048, 3072, Staging::Q8_0, Staging::Tq6)
     );
     assert_eq!(
-        (reference.min_tail, reference.max_tail, reference.k_staging, reference.v_staging),
+        (
+            reference.min_tail,
+            reference.max_tail,
+            reference.k_staging,
+            reference.v_staging
+        ),
         (4096, 8192, Staging::Tq6, Staging::Tq6)
     );
     assert_eq!(rec.clone().with_journal(REFERENCE_JOURNAL), reference);
@@ -757,11 +762,17 @@ fn the_recommended_journal_round_trips_and_truncates() {
     let stream = seq.state_bytes().unwrap();
     let back = Sequence::from_state(Arc::new(cfg.clone()), None, &stream).unwrap();
     assert_eq!(back.state_bytes().unwrap(), stream);
-    assert_eq!(attend(&seq, 1, &q, None).unwrap(), attend(&back, 1, &q, None).unwrap());
+    assert_eq!(
+        attend(&seq, 1, &q, None).unwrap(),
+        attend(&back, 1, &q, None).unwrap()
+    );
     let snap = seq.snapshot_bytes().unwrap();
     let restored = Sequence::from_snapshot(&snap, None, None).unwrap();
     assert_eq!(restored.config(), seq.config());
-    assert_eq!(attend(&seq, 0, &q, None).unwrap(), attend(&restored, 0, &q, None).unwrap());
+    assert_eq!(
+        attend(&seq, 0, &q, None).unwrap(),
+        attend(&restored, 0, &q, None).unwrap()
+    );
     // Every truncated prefix of the stream is refused.
     for cut in [0, 100, stream.len() / 2, stream.len() - 1] {
         assert!(Sequence::from_state(Arc::new(cfg.clone()), None, &stream[..cut]).is_err());
