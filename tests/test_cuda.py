@@ -84,6 +84,7 @@ def _pair(
         max_tail=512,
         max_chunk=128,
         max_tokens=4096,
+        staging="tq6_0",  # the device ring's type (the CPU default keeps keys in q8_0)
     )
     return Cache(Config(**cfg)), Cache(Config(**cfg, device="cuda"))
 

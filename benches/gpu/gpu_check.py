@@ -118,6 +118,7 @@ def parity(device: str, dry: bool) -> list[dict[str, Any]]:
             max_tail=1024,
             max_chunk=256,
             max_tokens=tokens + 64,
+            staging="tq6_0",  # the device ring's type (the CPU default keeps keys in q8_0)
         )
         gen = torch.Generator().manual_seed(d + kb)
         cpu, dev = Cache(Config(**cfg)), Cache(Config(**cfg, device=device))
