@@ -791,7 +791,10 @@ fn attend_at(
     rotate_rows(&mut q_rot, d)?;
     // A finite query whose rotation, or its product with the scale, leaves f32 would feed
     // the kernels infinities (their fixed-point sums would be meaningless, not just NaN).
-    if q_rot.iter().any(|x| !x.is_finite() || !(x * scale).is_finite()) {
+    if q_rot
+        .iter()
+        .any(|x| !x.is_finite() || !(x * scale).is_finite())
+    {
         return Err(score_overflow(q, d, scale));
     }
     let gs = cfg.group_size();
