@@ -500,7 +500,7 @@ class Cache:
         if not isinstance(config, Config):
             raise UnsupportedTypeError(f"config must be a Config, got {type(config).__name__}")
         data = args.byte_string("data", data)
-        config = _resolved(config, "cpu")
+        config = _resolved(config, "cpu")  # the restored cache's config holds the values used
         core = _core.Cache.from_state(_spec_of(config), data, config.pool_sequences)
         return cls(replace(config, device="cpu"), _core_cache=core)
 
