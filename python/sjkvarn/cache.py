@@ -122,7 +122,8 @@ def _parse_device(device: str) -> tuple[str, int]:
 
 # The journal presets live in the Rust core (``DEFAULT_JOURNAL``, ``REFERENCE_JOURNAL``).
 _PRESETS: dict[str, dict[str, Any]] = _core.journal_presets()
-#: ``min_tail``, ``max_tail`` and ``staging`` of ``Config()`` and of ``Config.reference()``.
+#: ``min_tail``, ``max_tail``, ``staging`` and ``centre_keys`` of ``Config()`` and of
+#: ``Config.reference()``.
 DEFAULT_JOURNAL: dict[str, Any] = dict(_PRESETS["default"])
 REFERENCE_JOURNAL: dict[str, Any] = dict(_PRESETS["reference"])
 _DEFAULT, _REFERENCE = DEFAULT_JOURNAL, REFERENCE_JOURNAL
@@ -139,12 +140,18 @@ class Config:
     ``"q8_0"`` (extension) for keys and values, ``"K/V"`` for different types, or ``"auto"``:
     each layer measures every type on its own first rows and keeps the smallest within
     ``staging_budget`` (default 0.04; see :meth:`Cache.staging_report`). ``staging``,
-    ``min_tail`` and ``max_tail`` left ``None`` take the device's journal: on the CPU the
-    core's ``DEFAULT_JOURNAL`` (``"q8_0/tq6_0"``, 2,048..3,072 unsealed tokens: keys of small
-    models lose more in a 6-bit ring than in the 4-bit body, ``docs/results/quality.md``); on
-    CUDA, whose ring stores ``tq6_0`` rows only, the reference's. :meth:`Config.reference`
-    gives the SJ-KVaRN reference codec's journal (``tq6_0``, 4,096..8,192), which writes its
-    format byte for byte. A cache's ``config`` holds the resolved values.
+    ``min_tail``, ``max_tail`` and ``centre_keys`` left ``None`` take the device's journal: on
+    the CPU the core's ``DEFAULT_JOURNAL`` (``"q8_0"``, 2,048..3,072 unsealed tokens, centred
+    keys: keys of small models lose more in a 6-bit ring than in the 4-bit body,
+    ``docs/results/quality.md``); on CUDA, whose ring stores ``tq6_0`` rows only, the
+    reference's. :meth:`Config.reference` gives the SJ-KVaRN reference codec's journal
+    (``tq6_0``, 4,096..8,192, keys as appended), which writes its format byte for byte. A
+    cache's ``config`` holds the resolved values.
+
+    ``centre_keys``: every key after the sink is stored minus the sink's mean key (positions
+    1..``sink``). Softmax does not see an offset shared by all keys, so attention is unchanged
+    while the coded keys lose the large shared component that costs them precision (CPU only;
+    states carry it as an extension rotation id).
     Staging types are not part of sealed records.
 
     ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the reference's
@@ -175,6 +182,7 @@ class Config:
     stat: str = "std"
     staging: str | None = None
     staging_budget: float | None = None
+    centre_keys: bool | None = None
     sink: int = 128
     sink_type: str = "f16"
     device: str = "cpu"
@@ -237,6 +245,10 @@ def _spec_of(config: Config) -> Any:
     for name in ("mode", "stat", "staging", "sink_type", "device"):
         args.text(name, getattr(config, name))
     count("pool_sequences", config.pool_sequences, minimum=1)
+    if not isinstance(config.centre_keys, (bool, np.bool_)):
+        raise UnsupportedTypeError(
+            f"centre_keys must be True or False, got {type(config.centre_keys).__name__}"
+        )
     return _core.CacheSpec(
         count("layers", config.layers, minimum=1),
         count("q_heads", q_heads, minimum=1),
@@ -255,6 +267,7 @@ def _spec_of(config: Config) -> Any:
         config.sink_type,
         count("sink", config.sink),
         None if budget is None else args.real("staging_budget", budget),
+        bool(config.centre_keys),
     )
 
 
@@ -284,6 +297,7 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
         stat=d["stat"],
         staging=d["staging"],
         staging_budget=d["staging_budget"],
+        centre_keys=d["centre_keys"],
         sink=d["sink"],
         sink_type=d["sink_type"],
         pool_sequences=pool_sequences,

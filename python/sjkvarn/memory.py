@@ -84,7 +84,10 @@ class Journal:
 
     @classmethod
     def reference(cls, **fields: int) -> Journal:
-        return cls(**{**REFERENCE_JOURNAL, **fields})
+        sizes = {
+            k: v for k, v in REFERENCE_JOURNAL.items() if k in ("min_tail", "max_tail", "staging")
+        }
+        return cls(**{**sizes, **fields})
 
     @property
     def ring_rows(self) -> int:

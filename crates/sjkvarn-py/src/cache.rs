@@ -30,7 +30,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128, staging_budget=None))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128, staging_budget=None, centre_keys=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -50,6 +50,7 @@ impl CacheSpec {
         sink_type: &str,
         sink: usize,
         staging_budget: Option<f32>,
+        centre_keys: bool,
     ) -> PyResult<Self> {
         let mut config = build_config(
             layers,
@@ -63,6 +64,7 @@ impl CacheSpec {
         )?;
         config.flush_chunk = flush_chunk;
         config.sink = sink;
+        config.centre_keys = centre_keys;
         config.sink_type = match sink_type {
             "f16" => SinkType::F16,
             "inherit" => SinkType::Inherit,
@@ -143,6 +145,7 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
             "f16"
         },
     )?;
+    d.set_item("centre_keys", c.centre_keys)?;
     d.set_item("reference_format", c.is_reference())?;
     Ok(d)
 }
@@ -210,6 +213,7 @@ fn build_config(
         auto_staging,
         sink: sjkvarn::cache::SINK,
         sink_type: SinkType::F16,
+        centre_keys: false,
     };
     config.validate().map_err(err)?;
     Ok(config)

@@ -307,6 +307,7 @@ fn journal_presets(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
             format!("{}/{}", p.k_staging.name(), p.v_staging.name())
         };
         d.set_item("staging", staging)?;
+        d.set_item("centre_keys", p.centre_keys)?;
         Ok(d)
     };
     let out = pyo3::types::PyDict::new(py);

@@ -725,9 +725,16 @@ fn the_recommended_journal_is_the_default_and_the_reference_stays_reachable() {
     let rec = CacheConfig::recommended(2, 4, 2, 128, coding, 8192);
     let reference = CacheConfig::uniform(2, 4, 2, 128, coding, 8192);
     assert_eq!(
-        (rec.min_tail, rec.max_tail, rec.k_staging, rec.v_staging),
-        (2048, 3072, Staging::Q8_0, Staging::Tq6)
+        (
+            rec.min_tail,
+            rec.max_tail,
+            rec.k_staging,
+            rec.v_staging,
+            rec.centre_keys
+        ),
+        (2048, 3072, Staging::Q8_0, Staging::Q8_0, true)
     );
+    assert!(!reference.centre_keys);
     assert_eq!(
         (
             reference.min_tail,
@@ -744,7 +751,7 @@ fn the_recommended_journal_is_the_default_and_the_reference_stays_reachable() {
 
 #[test]
 fn the_recommended_journal_round_trips_and_truncates() {
-    // Small tails of the same shape (q8_0 keys, tq6_0 values), so seals happen in a short test.
+    // Small tails of the same shape (q8_0 rows, centred keys), so seals happen in a short test.
     let mut rng = SplitMix64::new(47);
     let mut cfg = CacheConfig::recommended(2, 4, 2, D, LayerCoding::scalar(4, 4), 2048);
     (cfg.min_tail, cfg.max_tail, cfg.max_chunk) = (256, 384, 96);
@@ -790,18 +797,140 @@ fn the_recommended_journal_round_trips_and_truncates() {
             }
         }
     };
-    let cut = 700;
-    let mut a = new_seq(cfg.clone());
-    append_all(&mut a, &k, &v);
-    let back = a.truncate(cut).unwrap();
-    assert!(back <= cut && cut - back < 128);
-    append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
+    // A cut inside the sink clears the key offset; refilling the sink fixes the new one.
     let (k2, v2) = (kv(&mut rng, 400, 2), kv(&mut rng, 400, 2));
-    append_all(&mut a, &k2, &v2);
-    let mut b = new_seq(cfg);
-    append_all(&mut b, &k[..cut * w], &v[..cut * w]);
-    append_all(&mut b, &k2, &v2);
-    a.seal_idle(0).unwrap();
-    b.seal_idle(0).unwrap();
-    assert_eq!(payload(&a), payload(&b));
+    for cut in [700, 100] {
+        let mut a = new_seq(cfg.clone());
+        append_all(&mut a, &k, &v);
+        let back = a.truncate(cut).unwrap();
+        assert!(back <= cut && cut - back < 128);
+        append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
+        append_all(&mut a, &k2, &v2);
+        let mut b = new_seq(cfg.clone());
+        append_all(&mut b, &k[..cut * w], &v[..cut * w]);
+        append_all(&mut b, &k2, &v2);
+        a.seal_idle(0).unwrap();
+        b.seal_idle(0).unwrap();
+        assert_eq!(payload(&a), payload(&b), "cut at {cut}");
+        assert_eq!(
+            attend(&a, 0, &q, None).unwrap(),
+            attend(&b, 0, &q, None).unwrap()
+        );
+    }
+}
+
+/// Keys with a large offset shared by every position (as small models' keys have).
+fn offset_keys(rng: &mut SplitMix64, tokens: usize, offset: f32) -> Vec<f32> {
+    let shared: Vec<f32> = rng.gaussians(2 * D).iter().map(|x| offset * x).collect();
+    let mut k = kv(rng, tokens, 2);
+    for (i, x) in k.iter_mut().enumerate() {
+        *x = half::f16::from_f32(*x + shared[i % (2 * D)]).to_f32();
+    }
+    k
+}
+
+#[test]
+fn centred_keys_leave_exact_attention_unchanged() {
+    // An fp16 ring that never seals: the only difference centring makes is where fp16 rounds.
+    let mut rng = SplitMix64::new(53);
+    let (k, v) = (offset_keys(&mut rng, 600, 4.0), kv(&mut rng, 600, 2));
+    let mut cfg = small_config(Staging::F16, LayerCoding::scalar(4, 4));
+    cfg.max_tail = 4096;
+    cfg.centre_keys = true;
+    let mut seq = new_seq(cfg);
+    for at in (0..600).step_by(90) {
+        let r = at * 2 * D..(at + 90).min(600) * 2 * D;
+        seq.append(0, &k[r.clone()], &v[r]).unwrap();
+    }
+    let err = error_against_reference(&seq, &stored_rows(&k), &stored_rows(&v), 5, &mut rng);
+    assert!(err < 2e-3, "centred fp16 cache errs {err}");
+}
+
+#[test]
+fn centred_keys_cut_the_coded_key_error() {
+    // A q8_0 ring over keys with a shared offset (its per-32 scale is set by the offset): the
+    // same cache with and without centring, against exact attention.
+    let mut rng = SplitMix64::new(59);
+    let (k, v) = (offset_keys(&mut rng, 1400, 6.0), kv(&mut rng, 1400, 2));
+    let mut errs = Vec::new();
+    for centre in [false, true] {
+        let mut cfg = small_config(Staging::Q8_0, LayerCoding::scalar(4, 4));
+        cfg.centre_keys = centre;
+        cfg.max_tail = 4096;
+        let mut seq = new_seq(cfg);
+        for at in (0..1400).step_by(96) {
+            let r = at * 2 * D..(at + 96).min(1400) * 2 * D;
+            seq.append(0, &k[r.clone()], &v[r]).unwrap();
+        }
+        errs.push(error_against_reference(
+            &seq,
+            &k,
+            &v,
+            8,
+            &mut SplitMix64::new(61),
+        ));
+    }
+    assert!(
+        errs[1] < 0.5 * errs[0],
+        "centred {} vs as appended {}",
+        errs[1],
+        errs[0]
+    );
+}
+
+#[test]
+fn centred_states_carry_their_rotation_id_and_old_snapshots_still_load() {
+    use sjkvarn::cache::snapshot::ROTATION_CENTRED_KEYS;
+    let mut rng = SplitMix64::new(67);
+    let mut cfg = small_config(Staging::Q8_0, LayerCoding::scalar(4, 4));
+    cfg.centre_keys = true;
+    let (k, v) = (offset_keys(&mut rng, 700, 3.0), kv(&mut rng, 700, 2));
+    let mut seq = new_seq(cfg.clone());
+    for layer in 0..2 {
+        for at in (0..700).step_by(96) {
+            let r = at * 2 * D..(at + 96).min(700) * 2 * D;
+            seq.append(layer, &k[r.clone()], &v[r]).unwrap();
+        }
+    }
+    let stream = seq.state_bytes().unwrap();
+    assert_eq!(
+        u32::from_le_bytes(stream[72..76].try_into().unwrap()),
+        ROTATION_CENTRED_KEYS
+    );
+    // A cache that stores keys as appended refuses the stream by its rotation id.
+    let plain = CacheConfig {
+        centre_keys: false,
+        ..cfg.clone()
+    };
+    let e = Sequence::from_state(Arc::new(plain.clone()), None, &stream).unwrap_err();
+    assert!(e.to_string().contains("rotation"), "{e}");
+    // A version-2 snapshot (no flags byte) of a plain cache still loads.
+    let mut old = new_seq(plain.clone());
+    old.append(0, &k[..300 * 2 * D], &v[..300 * 2 * D]).unwrap();
+    old.append(1, &k[..300 * 2 * D], &v[..300 * 2 * D]).unwrap();
+    let v3 = old.snapshot_bytes().unwrap();
+    // configuration block: 4 u32, 5 u64, sink type u8, sink u64, then the flags byte
+    let flags_at = 20 + 4 * 4 + 5 * 8 + 1 + 8;
+    assert_eq!(v3[flags_at], 0);
+    let mut v2 = v3[..flags_at].to_vec();
+    v2.extend_from_slice(&v3[flags_at + 1..v3.len() - 8]);
+    v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let payload_len = (v2.len() - 20) as u64;
+    v2[12..20].copy_from_slice(&payload_len.to_le_bytes());
+    let sum = sjkvarn::cache::snapshot::fnv1a64(&v2);
+    v2.extend_from_slice(&sum.to_le_bytes());
+    let back = Sequence::from_snapshot(&v2, None, None).unwrap();
+    assert_eq!(back.config(), &plain);
+    let q = rng.gaussians(4 * D);
+    assert_eq!(
+        attend(&back, 1, &q, None).unwrap(),
+        attend(&old, 1, &q, None).unwrap()
+    );
+    // An unknown flag is refused.
+    let mut bad = v3.clone();
+    bad[flags_at] = 2;
+    let n = bad.len();
+    let sum = sjkvarn::cache::snapshot::fnv1a64(&bad[..n - 8]);
+    bad[n - 8..].copy_from_slice(&sum.to_le_bytes());
+    assert!(Sequence::from_snapshot(&bad, None, None).is_err());
 }

@@ -34,7 +34,7 @@ CAPTURE = "sjkvarn-capture"
 #: Each configuration: ``Config`` overrides of a one-layer cache. The seed's default
 #: (tq6_0 ring, 4,096/8,192), its K-only and V-only staging variants, the ring exact or 8-bit,
 #: and paper-faithful KVarN with and without its 1,024-token exact tail.
-FAITHFUL = dict(staging="f16", passes=8, mode="best")
+FAITHFUL = dict(staging="f16", passes=8, mode="best", centre_keys=False)
 SEED_RING = dict(min_tail=4096, max_tail=8192)
 CONFIGS: dict[str, dict[str, Any]] = {
     "KVarN 4/4 tail 0": dict(FAITHFUL, min_tail=0, max_tail=128),

@@ -141,7 +141,7 @@ fn fold_chunk_body(
         if span.contains(&first) {
             for t in 0..rows {
                 let at = ((first + t) * kvh + h) * d;
-                let (kr, vr) = (&lj.sink_k[at..at + d], &lj.sink_v[at..at + d]);
+                let (kr, vr) = (&lj.scored_sink_k()[at..at + d], &lj.sink_v[at..at + d]);
                 // The slice conversion runs on F16C where present (one check per row).
                 kr.convert_to_f32_slice(&mut sc.kblk[t * d..(t + 1) * d]);
                 vr.convert_to_f32_slice(&mut sc.vblk[t * d..(t + 1) * d]);

@@ -22,19 +22,25 @@ pub struct JournalPreset {
     pub max_tail: usize,
     pub k_staging: Staging,
     pub v_staging: Staging,
+    /// Whether ring and body keys are stored minus the sink's mean key (see
+    /// [`CacheConfig::centre_keys`]).
+    pub centre_keys: bool,
 }
 
-/// What a configuration gets unless told otherwise: keys in `q8_0`, values in `tq6_0`, 2,048 to
-/// 3,072 unsealed tokens. Keys of small models carry a large shared offset that the 6-bit
-/// `tq6_0` ring codes worse than the 4-bit body (Gemma 3 270M's layer 11: attention-output error
-/// 0.108 with `tq6_0` keys, 0.039 with `q8_0` keys); values lose little in `tq6_0`. The shorter
-/// ring keeps the allocation at or below paper-faithful KVarN with its 1,024-token exact tail
-/// at 16K and 30K tokens. Measurements: `docs/results/quality.md`.
+/// What a configuration gets unless told otherwise: a `q8_0` ring of 2,048 to 3,072 unsealed
+/// tokens, keys centred on the sink's mean key. Keys of small models carry a large offset shared
+/// by every position, which the 6-bit `tq6_0` ring codes worse than the 4-bit body (Gemma 3
+/// 270M's layer 11: attention-output error 0.108 with `tq6_0` keys, 0.039 with `q8_0` keys);
+/// removing the offset before any coding (softmax does not see it) cuts the ring's and the
+/// body's key error again by about a quarter. The shorter ring keeps the allocation at or below
+/// paper-faithful KVarN with its 1,024-token exact tail. Measurements:
+/// `docs/results/quality.md`.
 pub const DEFAULT_JOURNAL: JournalPreset = JournalPreset {
     min_tail: 2048,
     max_tail: 3072,
     k_staging: Staging::Q8_0,
-    v_staging: Staging::Tq6,
+    v_staging: Staging::Q8_0,
+    centre_keys: true,
 };
 
 /// The SJ-KVaRN reference codec's defaults (`tq6_0` keys and values, 4,096 to 8,192 unsealed
@@ -44,6 +50,7 @@ pub const REFERENCE_JOURNAL: JournalPreset = JournalPreset {
     max_tail: 8192,
     k_staging: Staging::Tq6,
     v_staging: Staging::Tq6,
+    centre_keys: false,
 };
 
 /// Bits and coding of one layer's body records.
@@ -169,6 +176,13 @@ pub struct CacheConfig {
     /// Leading positions kept exact (the reference's `sink`: a non-zero multiple of 64).
     pub sink: usize,
     pub sink_type: SinkType,
+    /// Store every key after the sink, and score the sink, minus the sink's mean key (positions
+    /// `1..sink`, the first token left out: it is an outlier in most models). A key offset
+    /// shared by all positions adds the same `q·μ` to every score of a query, which softmax
+    /// removes, so attention is unchanged while the coded keys lose the large shared component
+    /// that costs their codes precision. The sink stays stored as appended; the mean is
+    /// recomputed from it, so states need no extra bytes (an extension rotation id marks them).
+    pub centre_keys: bool,
 }
 
 impl CacheConfig {
@@ -192,6 +206,7 @@ impl CacheConfig {
         self.max_tail = preset.max_tail;
         self.k_staging = preset.k_staging;
         self.v_staging = preset.v_staging;
+        self.centre_keys = preset.centre_keys;
         self
     }
 
@@ -223,6 +238,7 @@ impl CacheConfig {
             auto_staging: None,
             sink: SINK,
             sink_type: SinkType::F16,
+            centre_keys: REFERENCE_JOURNAL.centre_keys,
         }
     }
 
@@ -266,6 +282,9 @@ impl CacheConfig {
                 "an inherited sink is supported with f16 staging only (staging is {})",
                 self.staging_name()
             ));
+        }
+        if self.centre_keys && self.sink_type != SinkType::F16 {
+            return bad("centred keys need an fp16 sink (sink_type 'f16')".into());
         }
         if let Some(budget) = self.auto_staging {
             if !(budget.is_finite() && budget > 0.0 && budget < 1.0) {
@@ -351,6 +370,7 @@ impl CacheConfig {
         let tails = self.min_tail.is_multiple_of(GROUP) && self.max_tail.is_multiple_of(128);
         uniform
             && tails
+            && !self.centre_keys
             && self.head_dim.is_multiple_of(128)
             && self.has_reference_staging()
             && (0..self.layers).all(|l| self.body_codec(l).is_reference())

@@ -112,6 +112,53 @@ pub(crate) struct LayerJournal {
     /// What `auto` staging measured and picked (`None` for a fixed staging, or before the
     /// layer's first append).
     pub(crate) pick: Option<StagingPick>,
+    /// With centred keys and a complete sink: the sink's mean key per KV head
+    /// (`[kv_heads][D]`, rotated frame) and the sink's keys minus it, which attention scores.
+    /// Derived from `sink_k`, which keeps the keys as appended (what states store).
+    pub(crate) centring: Option<Centring>,
+}
+
+/// The key offset of a layer whose keys are centred ([`CacheConfig::centre_keys`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Centring {
+    pub(crate) mean: Vec<f32>,
+    pub(crate) sink_k: Vec<f16>,
+}
+
+impl Centring {
+    /// The offset of a complete sink `sink_k` (`[sink][kv_heads][d]`, as appended): per head
+    /// the mean of positions `1..sink` (position 0 is an outlier key in most models), and the
+    /// sink's keys minus it. Depends on the stored sink alone, so a restored state recomputes
+    /// the same offset bit for bit.
+    pub(crate) fn of_sink(sink_k: &[f16], sink: usize, h: usize, d: usize) -> CacheResult<Self> {
+        let mut sum = vec![0.0f64; h * d];
+        for row in sink_k.chunks_exact(h * d).take(sink).skip(1) {
+            for (acc, x) in sum.iter_mut().zip(row) {
+                *acc += x.to_f64();
+            }
+        }
+        let count = (sink - 1) as f64;
+        let mean: Vec<f32> = sum.iter().map(|s| (s / count) as f32).collect();
+        let mut centred = Vec::with_capacity(sink_k.len());
+        for row in sink_k.chunks_exact(h * d) {
+            for (x, m) in row.iter().zip(&mean) {
+                let c = x.to_f32() - m;
+                let hv = f16::from_f32(c);
+                if !hv.is_finite() {
+                    return Err(crate::CodecError::ScaleOverflow {
+                        what: "centred fp16 sink",
+                        value: c,
+                    }
+                    .into());
+                }
+                centred.push(hv);
+            }
+        }
+        Ok(Self {
+            mean,
+            sink_k: centred,
+        })
+    }
 }
 
 impl LayerJournal {
@@ -127,6 +174,31 @@ impl LayerJournal {
             sealed_prev: self.sealed_prev,
             draining: self.draining,
         }
+    }
+
+    /// The sink keys attention scores: centred once the offset is known, else as appended.
+    pub(crate) fn scored_sink_k(&self) -> &[f16] {
+        match &self.centring {
+            Some(c) => &c.sink_k,
+            None => &self.sink_k,
+        }
+    }
+
+    /// Recomputes the key offset from the stored sink (after a restore or a truncation): set
+    /// while the sink is complete, cleared below it (a later append refills the sink and fixes
+    /// a new offset before any key after the sink is stored).
+    pub(crate) fn refresh_centring(&mut self, cfg: &CacheConfig) -> CacheResult<()> {
+        self.centring = if cfg.centre_keys && self.len >= cfg.sink {
+            Some(Centring::of_sink(
+                &self.sink_k,
+                cfg.sink,
+                cfg.kv_heads,
+                cfg.head_dim,
+            )?)
+        } else {
+            None
+        };
+        Ok(())
     }
 
     /// Takes over `st`'s counters (the block table is the caller's business).
@@ -282,6 +354,7 @@ impl Sequence {
                 blocks: Vec::new(),
                 rows,
                 pick: None,
+                centring: None,
             });
         }
         Ok(Self {
@@ -462,34 +535,59 @@ impl Sequence {
             }
             _ => l.rows,
         };
+        // Sink rows of this append, fp16 as stored.
         let mut sink_k = Vec::new();
         let mut sink_v = Vec::new();
+        for t in 0..n.min(sink.saturating_sub(start)) {
+            for (dst, src, what) in [
+                (&mut sink_k, &rk, "fp16 sink"),
+                (&mut sink_v, &rv, "fp16 sink"),
+            ] {
+                for &xv in &src[t * per_tok..(t + 1) * per_tok] {
+                    let hv = f16::from_f32(xv);
+                    if !hv.is_finite() {
+                        return Err(crate::CodecError::ScaleOverflow { what, value: xv }.into());
+                    }
+                    dst.push(hv);
+                }
+            }
+        }
+        // With centred keys, the append that completes the sink fixes the offset that every
+        // later key is stored against.
+        let new_centring = match &l.centring {
+            None if cfg.centre_keys && start + n >= sink => {
+                let mut full = l.sink_k[..start.min(sink) * per_tok].to_vec();
+                full.extend_from_slice(&sink_k);
+                Some(Centring::of_sink(&full, sink, h, d)?)
+            }
+            _ => None,
+        };
+        let key_mean = new_centring
+            .as_ref()
+            .or(l.centring.as_ref())
+            .map(|c| c.mean.as_slice());
         let ring_tokens = (start + n).saturating_sub(sink.max(start));
         let mut staged = vec![0u8; ring_tokens * h * rows.entry_bytes()];
-        for t in 0..n {
+        let mut centred = vec![0.0f32; d];
+        for t in n - ring_tokens..n {
             let pos = start + t;
             for head in 0..h {
-                for (value, src) in [(false, &rk), (true, &rv)] {
-                    let rot = &src[(t * h + head) * d..(t * h + head + 1) * d];
-                    if pos < sink {
-                        let dst = if value { &mut sink_v } else { &mut sink_k };
-                        for &xv in rot {
-                            let hv = f16::from_f32(xv);
-                            if !hv.is_finite() {
-                                return Err(crate::CodecError::ScaleOverflow {
-                                    what: "fp16 sink",
-                                    value: xv,
-                                }
-                                .into());
-                            }
-                            dst.push(hv);
+                let entry = (pos - sink.max(start)) * h + head;
+                let at = (t * h + head) * d;
+                let key = &rk[at..at + d];
+                let key = match key_mean {
+                    Some(mean) => {
+                        for ((c, &x), &m) in centred.iter_mut().zip(key).zip(&mean[head * d..]) {
+                            *c = x - m;
                         }
-                    } else {
-                        let entry = (pos - sink.max(start)) * h + head;
-                        rows.side(value)
-                            .encode(rot, &mut staged[rows.range(entry, value)])?;
+                        &centred[..]
                     }
-                }
+                    None => key,
+                };
+                rows.side(false)
+                    .encode(key, &mut staged[rows.range(entry, false)])?;
+                rows.side(true)
+                    .encode(&rv[at..at + d], &mut staged[rows.range(entry, true)])?;
             }
         }
 
@@ -553,6 +651,9 @@ impl Sequence {
                 self.layers[layer].len = pos + 1;
             }
             written += c.take;
+        }
+        if let Some(c) = new_centring {
+            self.layers[layer].centring = Some(c);
         }
         Ok(())
     }
@@ -671,6 +772,9 @@ impl Sequence {
                 self.pool.release(&dropped);
             }
             l.set_state(st);
+            if l.len < self.config.sink {
+                l.centring = None;
+            }
             reprocess = reprocess.min(resume);
         }
         Ok(reprocess)
@@ -762,6 +866,7 @@ impl Sequence {
                 seq.pool.fill(id, Arc::from(&rec[..rb]));
                 l.blocks.push(id);
             }
+            l.refresh_centring(&config)?;
         }
         Ok(seq)
     }

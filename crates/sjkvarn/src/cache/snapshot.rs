@@ -13,7 +13,7 @@
 //! heads, per-layer codings, balancing, sink, `max_tokens`), so a load restores the
 //! full configuration; it holds one single-layer stream per layer, so layers caught between
 //! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
-//! `b"SJKVSNAP"`, `version: u32` (2), `payload_len: u64`, payload = configuration block then per
+//! `b"SJKVSNAP"`, `version: u32` (3; 2 is read too), `payload_len: u64`, payload = configuration block then per
 //! layer `len: u64` and its `SJKVSEQ` stream, `fnv1a64(everything before): u64`. Version-1 files (written before the reference format) are refused with what to do.
 //! Files are replaced through [`crate::atomic_file`] (a private temporary, fsync, rename,
 //! directory fsync), so an interrupted save never replaces a good file.
@@ -34,13 +34,20 @@ use std::path::Path;
 use std::sync::Arc;
 
 const MAGIC: &[u8; 8] = b"SJKVSNAP";
-/// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream).
-pub const VERSION: u32 = 2;
+/// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream;
+/// 3: a flags byte after the sink, bit 0 = centred keys). Version-2 files still load.
+pub const VERSION: u32 = 3;
+/// Flag bit of the configuration block: keys centred on the sink's mean.
+const FLAG_CENTRE_KEYS: u8 = 1;
 
 /// Header body code of extension records (not a reference body).
 pub const BODY_EXTENSION: u32 = 224;
 /// Header staging code of `q8_0` rings (not a reference staging type).
 pub const STAGING_Q8_0: u32 = 2;
+/// Header rotation id of a cache whose keys after the sink are stored minus the sink's mean key
+/// (extension; see [`CacheConfig::centre_keys`]): Hadamard rotation, then the offset. The sink
+/// rows are stored as appended and the mean is recomputed from them, so the payload is unchanged.
+pub const ROTATION_CENTRED_KEYS: u32 = 0x101;
 /// Header staging codes of rings whose keys and values use different types (extension):
 /// `STAGING_SIDES + 16 * code(K) + code(V)`.
 pub const STAGING_SIDES: u32 = 0x100;
@@ -181,6 +188,7 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
     }
     w.u8((c.sink_type == SinkType::Inherit) as u8);
     w.u64(c.sink);
+    w.u8(if c.centre_keys { FLAG_CENTRE_KEYS } else { 0 });
     // One byte for one type (as version-2 files always held); 3 then K and V bytes for
     // different types; 4 then the budget's f32 bits for `auto` (each layer's pick is in its
     // stream's header).
@@ -207,7 +215,7 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
     }
 }
 
-fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
+fn read_config(r: &mut Reader, version: u32) -> CacheResult<CacheConfig> {
     let (layers, q_heads, kv_heads, head_dim) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
     let (min_tail, max_tail, max_chunk, max_tokens) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
     let flush_chunk = r.u64()?;
@@ -217,6 +225,10 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         _ => return Err(corrupt("unknown sink type")),
     };
     let sink = r.u64()?;
+    let flags = if version >= 3 { r.u8()? } else { 0 };
+    if flags & !FLAG_CENTRE_KEYS != 0 {
+        return Err(corrupt("unknown configuration flags"));
+    }
     let (k_staging, v_staging, auto_staging) = match r.u8()? {
         3 => (staging_of_byte(r.u8()?)?, staging_of_byte(r.u8()?)?, None),
         4 => {
@@ -270,6 +282,7 @@ fn read_config(r: &mut Reader) -> CacheResult<CacheConfig> {
         auto_staging,
         sink,
         sink_type,
+        centre_keys: flags & FLAG_CENTRE_KEYS != 0,
     };
     config
         .validate()
@@ -341,6 +354,11 @@ impl CacheConfig {
             flush_chunk: self.flush_chunk as u32,
             codebook_id,
             n_layers: layers.len() as u32,
+            rotation: if self.centre_keys {
+                ROTATION_CENTRED_KEYS
+            } else {
+                journal::state::ROTATION_HADAMARD
+            },
         };
         (id, record_bytes, rows.entry_bytes())
     }
@@ -527,6 +545,7 @@ impl Sequence {
         };
         for &l in layers {
             self.layers[l].set_state(st);
+            self.layers[l].refresh_centring(&config)?;
         }
         Ok(())
     }
@@ -587,9 +606,9 @@ impl Sequence {
                     .into(),
             ));
         }
-        if version != VERSION {
+        if !(2..=VERSION).contains(&version) {
             return Err(CacheError::Snapshot(format!(
-                "snapshot version {version}, this build reads {VERSION}"
+                "snapshot version {version}, this build reads versions 2 to {VERSION}"
             )));
         }
         let payload_len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
@@ -610,7 +629,7 @@ impl Sequence {
             bytes: &body[20..],
             at: 0,
         };
-        let config = read_config(&mut r)?;
+        let config = read_config(&mut r, version)?;
         if let Some(exp) = expected {
             if exp != &config {
                 return Err(CacheError::Snapshot(

@@ -242,6 +242,13 @@ impl DeviceSequence {
                 config.staging_name()
             )));
         }
+        if config.centre_keys {
+            return Err(CudaError::Unsupported(
+                "centred keys (the device kernels store keys as appended; use the reference \
+                 journal, centre_keys=False)"
+                    .into(),
+            ));
+        }
         let layouts = (0..config.layers)
             .map(|layer| layer_layout(&config, layer))
             .collect::<CudaResult<Vec<_>>>()?;

@@ -185,6 +185,9 @@ pub struct StateIdentity {
     /// See [`codebook_id`].
     pub codebook_id: u64,
     pub n_layers: u32,
+    /// Rotation id: [`ROTATION_HADAMARD`], or an extension id of a cache that transforms keys
+    /// further (the size stored beside it is always `head_dim`).
+    pub rotation: u32,
 }
 
 /// The header of one state: identity plus the sequence's stored end and journal state.
@@ -423,7 +426,7 @@ pub fn write_state(
     put32(out, OFF_TAIL, id.tail);
     put32(out, OFF_TAIL_MAX, id.tail_max);
     put32(out, OFF_FLUSH_CHUNK, id.flush_chunk);
-    put32(out, OFF_ROTATION, ROTATION_HADAMARD);
+    put32(out, OFF_ROTATION, id.rotation);
     put32(out, OFF_ROTATION_N, id.head_dim);
     put64(out, OFF_CODEBOOK, id.codebook_id);
     put32(out, OFF_N_LAYERS, id.n_layers);
@@ -517,6 +520,7 @@ pub fn peek(bytes: &[u8]) -> Result<StateInfo, StateError> {
         flush_chunk: g(OFF_FLUSH_CHUNK),
         codebook_id: get64(bytes, OFF_CODEBOOK),
         n_layers: g(OFF_N_LAYERS),
+        rotation: g(OFF_ROTATION),
     };
     Ok(StateInfo {
         state_version,
@@ -606,10 +610,10 @@ pub fn check_identity(
         });
     }
     let rot = (info.rotation, info.rotation_n);
-    if rot != (ROTATION_HADAMARD, c.head_dim) {
+    if rot != (c.rotation, c.head_dim) {
         return Err(E::Rotation {
             state: rot,
-            cache: (ROTATION_HADAMARD, c.head_dim),
+            cache: (c.rotation, c.head_dim),
         });
     }
     if s.codebook_id != c.codebook_id {
@@ -713,6 +717,7 @@ mod tests {
             flush_chunk: 1,
             codebook_id: codebook_id(BODY_TRELLIS, &[0x3c00, 0x4000], &[0xbc00]),
             n_layers: 2,
+            rotation: ROTATION_HADAMARD,
         }
     }
 
