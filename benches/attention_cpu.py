@@ -14,6 +14,11 @@ and ratios from that one alternating run.
 
 Usage: python benches/attention_cpu.py [--tokens 4096 16384 32768 65536] [--threads 1 2]
            [--geometry 24/4/256 9/3/64] [--bodies 4/4 3/2t] [--repeats 15]
+           [--journals default q8_0/tq6_0 reference]
+
+``--journals``: ``default`` is ``Config()``'s journal, ``reference`` ``Config.reference()``'s,
+and a staging spec (``q8_0/tq6_0``, optionally ``+centred``) that staging over the default
+tails, keys as appended unless ``+centred``; several run side by side in the same process.
 """
 
 from __future__ import annotations
@@ -26,19 +31,30 @@ import subprocess
 import sys
 import time
 
-ROW_BYTES_TQ6_PER_128 = 98  # one tq6_0 block of 128 values
+
+def _journal(spec: str) -> dict[str, object]:
+    """``Config`` fields of a ``--journals`` entry."""
+    import sjkvarn
+
+    if spec == "default":
+        return {}
+    if spec == "reference":
+        return dict(sjkvarn.cache.REFERENCE_JOURNAL)
+    staging, _, centred = spec.partition("+")
+    return dict(staging=staging, centre_keys=centred == "centred")
 
 
 def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
     import torch
 
     import sjkvarn
+    import sjkvarn.memory
 
     rows = []
     for geometry in args.geometry:
         qh, kvh, d = (int(x) for x in geometry.split("/"))
         gs = qh // kvh
-        for body_name in args.bodies:
+        for body_name, journal in [(b, j) for b in args.bodies for j in args.journals]:
             trellis = body_name.endswith("t")
             kb, vb = (int(x) for x in body_name.rstrip("t").split("/"))
             for n in args.tokens:
@@ -52,6 +68,7 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                     v_bits=vb,
                     body="trellis" if trellis else "scalar",
                     max_tokens=n + 1,
+                    **_journal(journal),  # type: ignore[arg-type]
                 )
                 cache = sjkvarn.Cache(cfg)
                 k = torch.randn(n, kvh, d, generator=gen)
@@ -64,11 +81,13 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                 vf = v.permute(1, 0, 2)[None].contiguous()
                 qb, kbf, vbf = qf.bfloat16(), kf.bfloat16(), vf.bfloat16()
                 m = cache.memory()
-                row_bytes = ROW_BYTES_TQ6_PER_128 * d // 128
+                k_kind, _, v_kind = cache.config.staging.partition("/")
+                entry = sjkvarn.memory.staging_row_bytes(d, k_kind)
+                entry += sjkvarn.memory.staging_row_bytes(d, v_kind or k_kind)
                 read = (
                     m["sink_tokens"] * kvh * d * 4
                     + m["body_bytes"]
-                    + m["ring_tokens"] * kvh * 2 * row_bytes
+                    + m["ring_tokens"] * kvh * entry
                 )
                 raw = torch.rand(max(read // 4, 1), generator=gen)  # float32: a vectorised sum
                 sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -105,6 +124,7 @@ def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:
                         dict(
                             geometry=geometry,
                             body=body_name,
+                            journal=journal,
                             tokens=n,
                             threads=t,
                             bytes_read=read,
@@ -126,6 +146,7 @@ def main() -> int:
     p.add_argument("--geometry", nargs="+", default=["24/4/256", "9/3/64"])
     p.add_argument("--bodies", nargs="+", default=["4/4", "3/2t"])
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--journals", nargs="+", default=["default"])
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -137,7 +158,7 @@ def main() -> int:
     most = max(args.threads)
     argv = [sys.argv[0], "--worker", "--threads", *map(str, args.threads)]
     argv += ["--repeats", str(args.repeats), "--tokens", *map(str, args.tokens)]
-    argv += ["--geometry", *args.geometry, "--bodies", *args.bodies]
+    argv += ["--geometry", *args.geometry, "--bodies", *args.bodies, "--journals", *args.journals]
     # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin for a while after
     # each SDPA call and take the core that sjkvarn's second thread is about to use.
     env = dict(
@@ -151,7 +172,7 @@ def main() -> int:
     )
     rows: list[dict[str, object]] = json.loads(done.stdout)
     print(
-        f"{'geometry':>9} {'body':>5} {'tokens':>7} {'thr':>3} {'sjkvarn ms':>10} "
+        f"{'geometry':>9} {'body':>5} {'journal':>18} {'tokens':>7} {'thr':>3} {'sjkvarn ms':>10} "
         f"{'fp32 ms':>8} {'bf16 ms':>8} {'read ms':>8} {'/fp32':>6} {'/bf16':>6} "
         f"{'GB/s':>6} {'% of read':>9} {'bits':>5}"
     )
@@ -160,7 +181,8 @@ def main() -> int:
         gbs = float(r["bytes_read"]) / (ours * 1e-3) / 1e9  # type: ignore[arg-type]
         limit = float(r["read_bytes_ms"])  # type: ignore[arg-type]
         print(
-            f"{r['geometry']:>9} {r['body']:>5} {r['tokens']:>7} {r['threads']:>3} {ours:>10.2f} "
+            f"{r['geometry']:>9} {r['body']:>5} {r['journal']:>18} {r['tokens']:>7} "
+            f"{r['threads']:>3} {ours:>10.2f} "
             f"{r['sdpa_fp32_ms']:>8.2f} {r['sdpa_bf16_ms']:>8.2f} {limit:>8.2f} "
             f"{ours / float(r['sdpa_fp32_ms']):>6.2f} {ours / float(r['sdpa_bf16_ms']):>6.2f} "  # type: ignore[arg-type]
             f"{gbs:>6.2f} {100 * limit / ours:>8.1f}% {float(r['bits_per_value']):>5.2f}"  # type: ignore[arg-type]
@@ -170,14 +192,15 @@ def main() -> int:
             "\nsjkvarn 2-thread speed-up: 1-thread median / 2-thread median; per-round pairs "
             "(1-thread call / the same round's 2-thread call): median [quartiles]"
         )
-        by_key = {(r["geometry"], r["body"], r["tokens"]): {} for r in rows}
+        by_key = {(r["geometry"], r["body"], r["journal"], r["tokens"]): {} for r in rows}
         for r in rows:
-            by_key[(r["geometry"], r["body"], r["tokens"])][r["threads"]] = r  # type: ignore[index]
-        for (g, b, n), t in by_key.items():
+            key = (r["geometry"], r["body"], r["journal"], r["tokens"])
+            by_key[key][r["threads"]] = r  # type: ignore[index]
+        for (g, b, j, n), t in by_key.items():
             one, two = t[1], t[2]
             ratio = float(one["sjkvarn_ms"]) / float(two["sjkvarn_ms"])
             print(
-                f"  {g} {b} {n}: {ratio:.2f}; pairs {two['paired_speedup']:.2f} "
+                f"  {g} {b} {j} {n}: {ratio:.2f}; pairs {two['paired_speedup']:.2f} "
                 f"[{two['paired_speedup_q1']:.2f}, {two['paired_speedup_q3']:.2f}]"
             )
     if args.json:
