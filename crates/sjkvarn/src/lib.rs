@@ -1,6 +1,6 @@
 //! sjkvarn: the SJ-KVaRN KV-cache codec, its journal and attention over the compressed cache.
 //!
-//! A KV cache for LLM inference keeps, per layer, a 128-token fp16 *sink*, a 6-bit staging
+//! A KV cache for LLM inference keeps, per layer, a 128-token fp16 *sink*, an 8-bit staging
 //! *ring* of recent tokens, and older tokens sealed in 128-token *body records*: keys and values
 //! are Walsh-Hadamard rotated, Sinkhorn balanced and coded at 2/3/4 bits (scalar rounding or a
 //! 64-state trellis) with absorbed fp16 scales. Records live in a [`cache::RecordPool`] shared by
@@ -15,7 +15,7 @@
 //! ([`codec`]), the `tq6_0` staging rows, the journal rules ([`journal`]) and the `SJKVSEQ`
 //! sequence state stream ([`cache::Sequence::state_bytes`]); the reference's bit-exactness
 //! vectors and golden state hashes are reproduced by this crate's tests. Extensions (64-wide
-//! trellis heads, 5/6/8-bit sides, `q8_0` staging) and the comparator formats ([`ggml`], [`tq`],
+//! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys) and the comparator formats ([`ggml`], [`tq`],
 //! reachable by name through [`format`](mod@format)) are described with every byte layout in
 //! the repository's `docs/formats.md`.
 //!
@@ -26,8 +26,8 @@
 //! use std::sync::Arc;
 //!
 //! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens,
-//! // the default journal (`q8_0` keys, `tq6_0` values in the ring; `CacheConfig::uniform` is
-//! // the reference codec's) with a 256/512 tail instead of 2,048/3,072, so that this short
+//! // the default journal (a `q8_0` ring, keys centred on the sink's mean; `CacheConfig::uniform`
+//! // is the reference codec's) with a 256/512 tail instead of 2,048/3,072, so that this short
 //! // prompt seals records.
 //! let mut config = CacheConfig::recommended(2, 4, 2, 128, LayerCoding::scalar(4, 4), 4096);
 //! (config.min_tail, config.max_tail) = (256, 512);
