@@ -32,10 +32,12 @@ from sjkvarn import Cache, Config
 CAPTURE = "sjkvarn-capture"
 
 #: Each configuration: ``Config`` overrides of a one-layer cache. The seed's default
-#: (tq6_0 ring, 4,096/8,192), its K-only and V-only staging variants, the ring exact or 8-bit,
-#: and paper-faithful KVarN with and without its 1,024-token exact tail.
+#: (tq6_0 ring, 4,096/8,192), its K-only and V-only staging variants, the ring exact or 8-bit
+#: (keys as appended unless named centred), the shipped default, and paper-faithful KVarN with
+#: and without its 1,024-token exact tail.
 FAITHFUL = dict(staging="f16", passes=8, mode="best", centre_keys=False)
-SEED_RING = dict(min_tail=4096, max_tail=8192)
+SEED_RING = dict(min_tail=4096, max_tail=8192, centre_keys=False)
+SHORT_RING = dict(min_tail=2048, max_tail=4096, centre_keys=False)
 CONFIGS: dict[str, dict[str, Any]] = {
     "KVarN 4/4 tail 0": dict(FAITHFUL, min_tail=0, max_tail=128),
     "KVarN 4/4 tail 1024": dict(FAITHFUL, min_tail=1024, max_tail=1152),
@@ -45,9 +47,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "SJ ring K f16, V tq6_0": dict(SEED_RING, staging="f16/tq6_0"),
     "SJ ring K q8_0, V tq6_0": dict(SEED_RING, staging="q8_0/tq6_0"),
     "SJ ring q8_0": dict(SEED_RING, staging="q8_0"),
-    "SJ ring K q8_0, V tq6_0, 2048/4096": dict(min_tail=2048, max_tail=4096, staging="q8_0/tq6_0"),
-    "SJ ring q8_0, 2048/4096": dict(min_tail=2048, max_tail=4096, staging="q8_0"),
-    "SJ ring q8_0, 1024/2048": dict(min_tail=1024, max_tail=2048, staging="q8_0"),
+    "SJ ring K q8_0, V tq6_0, 2048/4096": dict(SHORT_RING, staging="q8_0/tq6_0"),
+    "SJ ring q8_0, 2048/4096": dict(SHORT_RING, staging="q8_0"),
+    "SJ ring q8_0, 1024/2048": dict(SHORT_RING, min_tail=1024, max_tail=2048, staging="q8_0"),
+    "SJ default (q8_0, 2048/3072, centred keys)": dict(min_tail=2048, max_tail=3072),
 }
 
 
