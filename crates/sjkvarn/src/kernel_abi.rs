@@ -6,14 +6,16 @@
 //! them with device addresses. The device backend implements the SJ-KVaRN reference bodies only
 //! ([`device_layout`]).
 
+use crate::cache::config::Staging;
 use crate::codec::codebooks::{TQ6_CENTROIDS, TQ6_MIDPOINTS};
 use crate::codec::{Body, RecordLayout, GROUP};
 
-/// `SJ_STAGING_*`: how ring rows are staged (all in the rotated frame).
-pub const STAGING_TQ6: i32 = 0;
+/// `SJ_STAGING_*`: how ring rows are staged (all in the rotated frame), numbered by
+/// [`Staging::code`].
+pub const STAGING_TQ6: i32 = Staging::Tq6.code() as i32;
 /// ggml `q8_0` blocks (read by attention and the seal's gather; not produced by the kernels).
-pub const STAGING_Q8_0: i32 = 1;
-pub const STAGING_F16: i32 = 2;
+pub const STAGING_Q8_0: i32 = Staging::Q8_0.code() as i32;
+pub const STAGING_F16: i32 = Staging::F16.code() as i32;
 
 /// Mirrors `SjRecordLayout`: the byte offsets of [`RecordLayout`] plus the fragment flags.
 #[repr(C)]
@@ -223,6 +225,32 @@ fn inline_file(name: &str, seen: &mut Vec<String>, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernels_number_staging_kinds_as_the_core_does() {
+        let header = KERNEL_FILES
+            .iter()
+            .find(|(name, _)| *name == "sj_layer.cuh")
+            .expect("sj_layer.cuh is embedded")
+            .1;
+        let defined = |name: &str| -> i32 {
+            header
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("sj_layer.cuh defines {name}"))
+                .trim()
+                .parse()
+                .expect("a number")
+        };
+        assert_eq!(defined("SJ_STAGING_TQ6"), Staging::Tq6.code() as i32);
+        assert_eq!(defined("SJ_STAGING_Q8"), Staging::Q8_0.code() as i32);
+        assert_eq!(defined("SJ_STAGING_F16"), Staging::F16.code() as i32);
+        for s in Staging::ALL {
+            assert_eq!(Staging::from_code(s.code()), Some(s));
+            assert_eq!(Staging::from_header_code(s.header_code()), Some(s));
+            assert_eq!(s.name().parse::<Staging>().unwrap(), s);
+        }
+    }
 
     #[test]
     fn source_inlines_every_header_once() {

@@ -86,7 +86,10 @@ pub enum Staging {
 }
 
 impl Staging {
-    pub fn name(self) -> &'static str {
+    /// Every staging kind, in [`Staging::code`] order.
+    pub const ALL: [Staging; 3] = [Staging::Tq6, Staging::Q8_0, Staging::F16];
+
+    pub const fn name(self) -> &'static str {
         match self {
             Staging::Tq6 => "tq6_0",
             Staging::Q8_0 => "q8_0",
@@ -94,16 +97,62 @@ impl Staging {
         }
     }
 
+    /// sjkvarn's number for the kind: the snapshot file's configuration byte and the CUDA
+    /// kernels' `SJ_STAGING_*` (`kernel_abi` takes its constants from here; a host test checks
+    /// `cuda/sj_layer.cuh` against them).
+    pub const fn code(self) -> u8 {
+        match self {
+            Staging::Tq6 => 0,
+            Staging::Q8_0 => 1,
+            Staging::F16 => 2,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.code() == code)
+    }
+
+    /// The kind's code in an `SJKVSEQ` header: the reference's `tq6_0` (0) and `f16` (1), and
+    /// the `q8_0` extension (2).
+    pub const fn header_code(self) -> u32 {
+        match self {
+            Staging::Tq6 => crate::journal::state::STAGING_TQ6_0,
+            Staging::F16 => crate::journal::state::STAGING_F16,
+            Staging::Q8_0 => 2,
+        }
+    }
+
+    pub fn from_header_code(code: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.header_code() == code)
+    }
+
     pub fn from_name(name: &str) -> CacheResult<Self> {
         match name {
-            "tq6_0" => Ok(Staging::Tq6),
-            "q8_0" => Ok(Staging::Q8_0),
-            "f16" | "fp16" => Ok(Staging::F16),
-            _ => Err(CacheError::InvalidConfig(format!(
-                "staging must be 'tq6_0', 'q8_0', 'f16', 'K/V' (e.g. 'q8_0/tq6_0') or 'auto', \
-                 got '{name}'"
-            ))),
+            "fp16" => Ok(Staging::F16),
+            _ => Self::ALL
+                .into_iter()
+                .find(|s| s.name() == name)
+                .ok_or_else(|| {
+                    CacheError::InvalidConfig(format!(
+                        "staging must be 'tq6_0', 'q8_0', 'f16', 'K/V' (e.g. 'q8_0/tq6_0') or \
+                         'auto', got '{name}'"
+                    ))
+                }),
         }
+    }
+}
+
+impl std::str::FromStr for Staging {
+    type Err = CacheError;
+
+    fn from_str(name: &str) -> CacheResult<Self> {
+        Self::from_name(name)
+    }
+}
+
+impl std::fmt::Display for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -43,7 +43,7 @@ const FLAG_CENTRE_KEYS: u8 = 1;
 /// Header body code of extension records (not a reference body).
 pub const BODY_EXTENSION: u32 = 224;
 /// Header staging code of `q8_0` rings (not a reference staging type).
-pub const STAGING_Q8_0: u32 = 2;
+pub const STAGING_Q8_0: u32 = Staging::Q8_0.header_code();
 /// Header rotation id of a cache whose keys after the sink are stored minus the sink's mean key
 /// (extension; see [`CacheConfig::centre_keys`]): Hadamard rotation, then the offset. The sink
 /// rows are stored as appended and the mean is recomputed from them, so the payload is unchanged.
@@ -52,55 +52,30 @@ pub const ROTATION_CENTRED_KEYS: u32 = 0x101;
 /// `STAGING_SIDES + 16 * code(K) + code(V)`.
 pub const STAGING_SIDES: u32 = 0x100;
 
-/// The one-type header code of `s`.
-fn side_code(s: Staging) -> u32 {
-    match s {
-        Staging::Tq6 => journal::state::STAGING_TQ6_0,
-        Staging::F16 => journal::state::STAGING_F16,
-        Staging::Q8_0 => STAGING_Q8_0,
-    }
-}
-
-fn side_of(code: u32) -> Option<Staging> {
-    [Staging::Tq6, Staging::F16, Staging::Q8_0]
-        .into_iter()
-        .find(|&s| side_code(s) == code)
-}
-
 /// The header staging code of a ring stored as `rows`.
 pub fn staging_code(rows: RingRows) -> u32 {
     let (k, v) = (rows.k.staging, rows.v.staging);
     if k == v {
-        side_code(k)
+        k.header_code()
     } else {
-        STAGING_SIDES + 16 * side_code(k) + side_code(v)
+        STAGING_SIDES + 16 * k.header_code() + v.header_code()
     }
 }
 
 /// The K and V staging of a header staging code.
 pub fn staging_of_code(code: u32) -> Option<(Staging, Staging)> {
-    if let Some(s) = side_of(code) {
+    if let Some(s) = Staging::from_header_code(code) {
         return Some((s, s));
     }
     let sides = code.checked_sub(STAGING_SIDES).filter(|&c| c < 256)?;
-    Some((side_of(sides / 16)?, side_of(sides % 16)?))
-}
-
-fn staging_byte(s: Staging) -> u8 {
-    match s {
-        Staging::Tq6 => 0,
-        Staging::Q8_0 => 1,
-        Staging::F16 => 2,
-    }
+    Some((
+        Staging::from_header_code(sides / 16)?,
+        Staging::from_header_code(sides % 16)?,
+    ))
 }
 
 fn staging_of_byte(b: u8) -> CacheResult<Staging> {
-    match b {
-        0 => Ok(Staging::Tq6),
-        1 => Ok(Staging::Q8_0),
-        2 => Ok(Staging::F16),
-        _ => Err(corrupt("unknown staging")),
-    }
+    Staging::from_code(b).ok_or_else(|| corrupt("unknown staging"))
 }
 
 /// FNV-1a, 64-bit: small, dependency-free and enough to catch corruption (not tampering).
@@ -197,11 +172,11 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
             w.u8(4);
             w.u32(budget.to_bits() as usize);
         }
-        None if c.k_staging == c.v_staging => w.u8(staging_byte(c.k_staging)),
+        None if c.k_staging == c.v_staging => w.u8(c.k_staging.code()),
         None => {
             w.u8(3);
-            w.u8(staging_byte(c.k_staging));
-            w.u8(staging_byte(c.v_staging));
+            w.u8(c.k_staging.code());
+            w.u8(c.v_staging.code());
         }
     }
     w.u32(c.balance.passes as usize);
