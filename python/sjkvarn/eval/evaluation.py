@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from sjkvarn import codec, hf
-from sjkvarn.cache import REFERENCE_JOURNAL
+from sjkvarn.cache import DEFAULT_JOURNAL, REFERENCE_JOURNAL
 from sjkvarn.eval import stats
 from sjkvarn.eval.histories import History
 
@@ -648,8 +648,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{s['scored_tokens']} scored positions each (mode `{s['mode']}`; distinct scored tokens "
         f"per history: {report['distinct_scored_tokens']}).",
         (
-            "The method's own tails: SJ-KVaRN min/max tail 4,096/8,192, paper-faithful KVarN "
-            "exact tail 0 and 1,024 after the 128-token sink."
+            "SJ-KVaRN arms: `Config()`'s journal (min/max tail "
+            f"{DEFAULT_JOURNAL['min_tail']:,}/{DEFAULT_JOURNAL['max_tail']:,}, "
+            f"`{DEFAULT_JOURNAL['staging']}` ring"
+            + (", centred keys" if DEFAULT_JOURNAL["centre_keys"] else "")
+            + ") unless named `reference` (the reference codec's 4,096/8,192 `tq6_0` ring); "
+            "paper-faithful KVarN exact tail 0 and 1,024 after the 128-token sink."
             if s.get("preset") in ("seed", "main")
             else f"Tails scaled to this context: SJ-KVaRN min/max tail {s['sj_tail'][0]}/"
             f"{s['sj_tail'][1]} (4,096/8,192 at full scale), paper-faithful KVarN exact tail 0 "
