@@ -91,16 +91,12 @@ impl RowCodec {
         match self.staging {
             Staging::Tq6 => tq6::decode_row(bytes, out),
             Staging::Q8_0 => {
-                // `GgmlFormat::decode_block`'s arithmetic, inlined for the attention loop.
                 let f = GgmlFormat::Q8_0;
                 for (o, x) in out
                     .chunks_exact_mut(32)
                     .zip(bytes.chunks_exact(f.block_bytes()))
                 {
-                    let d = f16::from_le_bytes([x[0], x[1]]).to_f32();
-                    for (o, &b) in o.iter_mut().zip(&x[2..34]) {
-                        *o = (b as i8) as f32 * d;
-                    }
+                    f.decode_block(x, o);
                 }
             }
             Staging::F16 => {
