@@ -1,4 +1,4 @@
-"""Turns `cargo bench -p sjkvarn --bench codec` output into the README's markdown tables.
+"""Turns `cargo bench -p sjkvarn --bench codec` output into docs/results/codec.md's tables.
 
 Usage:
     cargo bench -p sjkvarn --bench codec -- --quick | tee bench.txt

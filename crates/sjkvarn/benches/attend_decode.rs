@@ -1,7 +1,7 @@
 //! One decode query over one layer of a compressed cache, timed in Rust (no Python, no torch):
 //! the quick loop for tuning the CPU attention kernels and for profiling them
 //! (`perf record -g target/release/deps/attend_decode-*`). `benches/attention_cpu.py` is the
-//! side-by-side comparison with torch SDPA that the README quotes.
+//! side-by-side comparison with torch SDPA that docs/results/speed.md quotes.
 //!
 //! Run: `cargo bench -p sjkvarn --bench attend_decode -- [--tokens 65536] [--geometry 24/4/256]
 //! [--body 4/4|3/2t] [--repeats 21] [--gap-us 0] [--evict-mb 0] [--paired 2]` (threads:

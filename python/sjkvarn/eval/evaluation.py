@@ -191,7 +191,7 @@ def environment(histories: list[History]) -> dict[str, Any]:
         "torch": torch.__version__,  # with its build tag (+cpu, +cu132)
         **{name: version(name) for name in packages},
         # matrix products and attention sums split differently with the thread count and the
-        # CPU's vector width, and the KL figures move with that (README: how much)
+        # CPU's vector width, and the KL figures move slightly with that
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "history_sha256": {
