@@ -278,6 +278,12 @@ CASES: list[tuple[str, str, Callable[[str], object], type[BaseException]]] = [
         lambda d: Cache.from_state(small_config(), "state"),
         UnsupportedTypeError,
     ),
+    (
+        "non-boolean",
+        "Config(centre_keys=)",
+        lambda d: Cache(small_config(centre_keys="yes")),
+        UnsupportedTypeError,
+    ),
     ("range", "Cache.truncate", lambda d: filled(d).truncate(10**20), InvalidInputError),
     ("range", "Config(q_heads=)", lambda d: Cache(small_config(q_heads=0)), InvalidInputError),
     ("range", "Config(passes=)", lambda d: Cache(small_config(passes=-1)), InvalidInputError),
