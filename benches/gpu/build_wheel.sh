@@ -5,7 +5,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 rm -rf "$here/wheels"
-cd "$here/../.." && maturin build --release -o "$here/wheels"
+cd "$here/../.." && maturin build --release --features fault-injection -o "$here/wheels"
 mkdir -p "$here/wheels/tests"
 cargo test --release -p sjkvarn --features cuda --test cuda_faults --test cuda_probe --no-run \
     --message-format=json |

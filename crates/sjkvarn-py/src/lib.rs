@@ -282,7 +282,9 @@ fn to_float32<'py>(
 }
 
 /// Test hook: every seal record encode after the next `after` fails (`None` disarms). For the
-/// tests that check a failed seal leaves a cache as it was, on the CPU and on a GPU.
+/// tests that check a failed seal leaves a cache as it was, on the CPU and on a GPU; only in the
+/// test build (`fault-injection` feature).
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 #[pyo3(signature = (after))]
 fn _inject_seal_failure(after: Option<usize>) {
@@ -334,6 +336,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotate_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(to_float32, m)?)?;
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
+    #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     m.add_class::<cache::CacheSpec>()?;
     Ok(())
