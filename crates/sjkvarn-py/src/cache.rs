@@ -65,15 +65,7 @@ impl CacheSpec {
         config.flush_chunk = flush_chunk;
         config.sink = sink;
         config.centre_keys = centre_keys;
-        config.sink_type = match sink_type {
-            "f16" => SinkType::F16,
-            "inherit" => SinkType::Inherit,
-            _ => {
-                return Err(invalid(format!(
-                    "sink_type must be 'f16' or 'inherit', got '{sink_type}'"
-                )))
-            }
-        };
+        config.sink_type = sink_type.parse::<SinkType>().map_err(err)?;
         config.validate().map_err(err)?;
         Ok(Self { config })
     }
@@ -81,14 +73,6 @@ impl CacheSpec {
     /// The validated configuration as a dict of the constructor's arguments.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         config_dict(py, &self.config)
-    }
-}
-
-fn coding_name(c: sjkvarn::body::BodyCoding) -> &'static str {
-    use sjkvarn::body::{BodyCoding, TrellisAxis};
-    match c {
-        BodyCoding::Scalar => "scalar",
-        BodyCoding::Trellis(TrellisAxis::Token) => "trellis",
     }
 }
 
@@ -102,14 +86,7 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
     let coding: Vec<(u32, u32, &str, &str)> = c
         .layer_coding
         .iter()
-        .map(|lc| {
-            (
-                lc.k_bits,
-                lc.v_bits,
-                coding_name(lc.k_coding),
-                coding_name(lc.v_coding),
-            )
-        })
+        .map(|lc| (lc.k_bits, lc.v_bits, lc.k_coding.name(), lc.v_coding.name()))
         .collect();
     d.set_item("layer_coding", coding)?;
     d.set_item("min_tail", c.min_tail)?;
@@ -119,32 +96,11 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
     d.set_item("flush_chunk", c.flush_chunk)?;
     d.set_item("sink", c.sink)?;
     d.set_item("passes", c.balance.passes)?;
-    d.set_item(
-        "mode",
-        if c.balance.mode == BalanceMode::Best {
-            "best"
-        } else {
-            "final"
-        },
-    )?;
-    d.set_item(
-        "stat",
-        if c.balance.stat == BalanceStat::Rms {
-            "rms"
-        } else {
-            "std"
-        },
-    )?;
+    d.set_item("mode", c.balance.mode.name())?;
+    d.set_item("stat", c.balance.stat.name())?;
     d.set_item("staging", c.staging_name())?;
     d.set_item("staging_budget", c.auto_staging)?;
-    d.set_item(
-        "sink_type",
-        if c.sink_type == SinkType::Inherit {
-            "inherit"
-        } else {
-            "f16"
-        },
-    )?;
+    d.set_item("sink_type", c.sink_type.name())?;
     d.set_item("centre_keys", c.centre_keys)?;
     d.set_item("reference_format", c.is_reference())?;
     Ok(d)
@@ -177,24 +133,12 @@ fn build_config(
         .collect::<PyResult<Vec<_>>>()?;
     let balance = BalanceConfig {
         passes,
-        mode: match mode {
-            "final" => BalanceMode::Final,
-            "best" => BalanceMode::Best,
-            _ => {
-                return Err(invalid(format!(
-                    "mode must be 'final' or 'best', got '{mode}'"
-                )))
-            }
-        },
-        stat: match stat {
-            "std" => BalanceStat::Std,
-            "rms" => BalanceStat::Rms,
-            _ => {
-                return Err(invalid(format!(
-                    "stat must be 'std' or 'rms', got '{stat}'"
-                )))
-            }
-        },
+        mode: mode
+            .parse::<BalanceMode>()
+            .map_err(|e| invalid(e.to_string()))?,
+        stat: stat
+            .parse::<BalanceStat>()
+            .map_err(|e| invalid(e.to_string()))?,
     };
     let config = CacheConfig {
         layers,

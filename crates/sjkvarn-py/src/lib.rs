@@ -10,8 +10,8 @@ mod shared;
 use dlpack::{read_f32, with_f32_out};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use sjkvarn::body::BodyCoding;
 use sjkvarn::body::GROUP;
-use sjkvarn::body::{BodyCoding, TrellisAxis};
 use sjkvarn::codec::BodyCodec;
 use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
@@ -85,13 +85,7 @@ fn decode_into(
 }
 
 pub(crate) fn coding(name: &str) -> PyResult<BodyCoding> {
-    match name {
-        "scalar" => Ok(BodyCoding::Scalar),
-        "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
-        _ => Err(invalid(format!(
-            "body must be 'scalar' or 'trellis' (the reference's 3/3, 3/2, 2/2), got '{name}'"
-        ))),
-    }
+    name.parse().map_err(err)
 }
 
 /// The layer codec of a body: the reference format where it defines the coding, an extension
@@ -109,24 +103,8 @@ fn body_codec(
 }
 
 fn balance_config(passes: u32, mode: &str, stat: &str) -> PyResult<BalanceConfig> {
-    let mode = match mode {
-        "final" => BalanceMode::Final,
-        "best" => BalanceMode::Best,
-        _ => {
-            return Err(invalid(format!(
-                "mode must be 'final' or 'best', got '{mode}'"
-            )))
-        }
-    };
-    let stat = match stat {
-        "std" => BalanceStat::Std,
-        "rms" => BalanceStat::Rms,
-        _ => {
-            return Err(invalid(format!(
-                "stat must be 'std' or 'rms', got '{stat}'"
-            )))
-        }
-    };
+    let mode: BalanceMode = mode.parse().map_err(err)?;
+    let stat: BalanceStat = stat.parse().map_err(err)?;
     let config = BalanceConfig { passes, mode, stat };
     config.validate().map_err(err)?;
     Ok(config)

@@ -34,6 +34,54 @@ pub enum BalanceStat {
     Rms,
 }
 
+impl BalanceMode {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BalanceMode::Final => "final",
+            BalanceMode::Best => "best",
+        }
+    }
+}
+
+impl std::str::FromStr for BalanceMode {
+    type Err = crate::CodecError;
+
+    fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
+        [BalanceMode::Final, BalanceMode::Best]
+            .into_iter()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| crate::CodecError::UnknownName {
+                what: "mode",
+                allowed: "'final' or 'best'",
+                got: name.into(),
+            })
+    }
+}
+
+impl BalanceStat {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BalanceStat::Std => "std",
+            BalanceStat::Rms => "rms",
+        }
+    }
+}
+
+impl std::str::FromStr for BalanceStat {
+    type Err = crate::CodecError;
+
+    fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
+        [BalanceStat::Std, BalanceStat::Rms]
+            .into_iter()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| crate::CodecError::UnknownName {
+                what: "stat",
+                allowed: "'std' or 'rms'",
+                got: name.into(),
+            })
+    }
+}
+
 /// Balancing settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BalanceConfig {

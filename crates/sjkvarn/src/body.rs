@@ -43,6 +43,32 @@ pub enum BodyCoding {
     Trellis(TrellisAxis),
 }
 
+impl BodyCoding {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BodyCoding::Scalar => "scalar",
+            BodyCoding::Trellis(TrellisAxis::Token) => "trellis",
+        }
+    }
+}
+
+impl std::str::FromStr for BodyCoding {
+    type Err = crate::CodecError;
+
+    /// `"scalar"` or `"trellis"` (also `"trellis-token"`).
+    fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
+        match name {
+            "scalar" => Ok(BodyCoding::Scalar),
+            "trellis" | "trellis-token" => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
+            _ => Err(crate::CodecError::UnknownName {
+                what: "body",
+                allowed: "'scalar' or 'trellis' (the reference's 3/3, 3/2, 2/2)",
+                got: name.into(),
+            }),
+        }
+    }
+}
+
 /// Geometry of a body record: head size, K/V bit widths and K/V coding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodySpec {

@@ -43,6 +43,13 @@ pub enum CodecError {
     #[error("invalid setting: {0}")]
     InvalidSetting(String),
 
+    #[error("{what} must be {allowed}, got '{got}'")]
+    UnknownName {
+        what: &'static str,
+        allowed: &'static str,
+        got: String,
+    },
+
     #[error("could not start a thread pool: {0}")]
     ThreadPool(String),
 }

@@ -192,6 +192,30 @@ pub enum SinkType {
     Inherit,
 }
 
+impl SinkType {
+    pub const fn name(self) -> &'static str {
+        match self {
+            SinkType::F16 => "f16",
+            SinkType::Inherit => "inherit",
+        }
+    }
+}
+
+impl std::str::FromStr for SinkType {
+    type Err = CacheError;
+
+    fn from_str(name: &str) -> CacheResult<Self> {
+        [SinkType::F16, SinkType::Inherit]
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| {
+                CacheError::InvalidConfig(format!(
+                    "sink_type must be 'f16' or 'inherit', got '{name}'"
+                ))
+            })
+    }
+}
+
 /// Everything a cache needs to know; validated by [`CacheConfig::validate`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheConfig {
