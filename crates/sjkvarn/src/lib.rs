@@ -20,9 +20,8 @@
 //! the repository's `docs/formats.md`.
 //!
 //! ```
-//! use sjkvarn::cache::attention::attend;
-//! use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
 //! use sjkvarn::rng::SplitMix64;
+//! use sjkvarn::{attend, CacheConfig, LayerCoding, Sequence};
 //! use std::sync::Arc;
 //!
 //! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens,
@@ -47,7 +46,7 @@
 //! assert!(m.sealed_tokens > 0);
 //! println!("{} tokens, {:.2} bits/value occupied", m.tokens, m.effective_bits);
 //! println!("SJKVSEQ state: {} bytes", seq.state_bytes()?.len());
-//! # Ok::<(), sjkvarn::cache::CacheError>(())
+//! # Ok::<(), sjkvarn::CacheError>(())
 //! ```
 //!
 //! Lower layers: [`hadamard`], [`balance`], [`body`], [`tq`] and [`records`] (the v1 extension
@@ -80,3 +79,12 @@ pub use balance::{BalanceConfig, BalanceMode, BalanceStat};
 pub use body::{BodySpec, GROUP};
 pub use error::{CodecError, Result};
 pub use format::BlockFormat;
+
+// What a native server needs, at the crate root: a configuration, sequences on a shared record
+// pool, attention over them, and the errors.
+pub use body::BodyCoding;
+pub use cache::attention::{attend, attend_with_threads};
+pub use cache::{
+    CacheConfig, CacheError, CacheResult, JournalPreset, LayerCoding, MemoryReport, RecordPool,
+    Sequence, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
+};

@@ -7,7 +7,7 @@
 //! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`).
 //!
 //! Each query row is processed on its own, in a fixed block order (sink, groups, ring blocks
-//! aligned to 128 positions), and every sum runs in a fixed order ([`super::tile_gemm`]):
+//! aligned to 128 positions), and every sum runs in a fixed order (`cache::tile_gemm`):
 //! masked positions add nothing (their weight is zero or their logit is never read), so a
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
