@@ -14,7 +14,17 @@ F = torch.nn.functional
 
 
 def exact_config(**kw: object) -> Config:
-    base = dict(layers=2, kv_heads=2, q_heads=6, head_dim=64, staging="f16", max_tokens=700)
+    # Keys as appended: the fp16 regions then hold exactly the rounded rows SDPA is given
+    # (centred keys round differently; tests/test_default_journal.py covers them).
+    base = dict(
+        layers=2,
+        kv_heads=2,
+        q_heads=6,
+        head_dim=64,
+        staging="f16",
+        max_tokens=700,
+        centre_keys=False,
+    )
     base.update(kw)
     base.setdefault("max_tail", 4096)  # never seals: sink + fp16 ring only
     base.setdefault("min_tail", 128)
@@ -256,6 +266,7 @@ def test_saved_config_survives_load_fork_and_moves(tmp_path) -> None:  # type: i
         max_tokens=9999,
         passes=8,
         staging="q8_0",
+        centre_keys=True,
         sink=192,
     )
     cache = Cache(cfg)
