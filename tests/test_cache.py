@@ -14,17 +14,10 @@ F = torch.nn.functional
 
 
 def exact_config(**kw: object) -> Config:
+    base = dict(layers=2, kv_heads=2, q_heads=6, head_dim=64, staging="f16", max_tokens=700)
     # Keys as appended: the fp16 regions then hold exactly the rounded rows SDPA is given
     # (centred keys round differently; tests/test_default_journal.py covers them).
-    base = dict(
-        layers=2,
-        kv_heads=2,
-        q_heads=6,
-        head_dim=64,
-        staging="f16",
-        max_tokens=700,
-        centre_keys=False,
-    )
+    base["centre_keys"] = False
     base.update(kw)
     base.setdefault("max_tail", 4096)  # never seals: sink + fp16 ring only
     base.setdefault("min_tail", 128)

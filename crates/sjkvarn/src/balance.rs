@@ -34,6 +34,24 @@ pub enum BalanceStat {
     Rms,
 }
 
+/// The member of `all` whose name is `name`, or an error naming the choices.
+fn by_name<T: Copy>(
+    all: &[T],
+    name_of: fn(T) -> &'static str,
+    name: &str,
+    what: &'static str,
+    allowed: &'static str,
+) -> std::result::Result<T, crate::CodecError> {
+    all.iter()
+        .copied()
+        .find(|&x| name_of(x) == name)
+        .ok_or_else(|| crate::CodecError::UnknownName {
+            what,
+            allowed,
+            got: name.into(),
+        })
+}
+
 impl BalanceMode {
     pub const fn name(self) -> &'static str {
         match self {
@@ -47,14 +65,8 @@ impl std::str::FromStr for BalanceMode {
     type Err = crate::CodecError;
 
     fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
-        [BalanceMode::Final, BalanceMode::Best]
-            .into_iter()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| crate::CodecError::UnknownName {
-                what: "mode",
-                allowed: "'final' or 'best'",
-                got: name.into(),
-            })
+        let all = [BalanceMode::Final, BalanceMode::Best];
+        by_name(&all, Self::name, name, "mode", "'final' or 'best'")
     }
 }
 
@@ -71,14 +83,8 @@ impl std::str::FromStr for BalanceStat {
     type Err = crate::CodecError;
 
     fn from_str(name: &str) -> std::result::Result<Self, Self::Err> {
-        [BalanceStat::Std, BalanceStat::Rms]
-            .into_iter()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| crate::CodecError::UnknownName {
-                what: "stat",
-                allowed: "'std' or 'rms'",
-                got: name.into(),
-            })
+        let all = [BalanceStat::Std, BalanceStat::Rms];
+        by_name(&all, Self::name, name, "stat", "'std' or 'rms'")
     }
 }
 

@@ -204,6 +204,42 @@ fn schedules_differ_but_records_and_idle_flush_agree() {
     }
 }
 
+/// Appends `k`/`v` (`[tokens][2][D]`) to both layers in the ubatches the journal allows.
+fn append_all(seq: &mut Sequence, k: &[f32], v: &[f32]) {
+    let w = 2 * D;
+    for layer in 0..2 {
+        let (mut t, n) = (0, k.len() / w);
+        while t < n {
+            let take = seq.chunk_limit(layer).unwrap().min(n - t);
+            seq.append(layer, &k[t * w..(t + take) * w], &v[t * w..(t + take) * w])
+                .unwrap();
+            t += take;
+        }
+    }
+}
+
+/// A sequence fed `k`, cut at `cut`, fed again from where truncation asked and then `k2`, next
+/// to one fed `k[..cut]` and `k2` only; both sealed idle. Returns them and the resume point.
+fn cut_and_reappend(
+    cfg: &CacheConfig,
+    (k, v): (&[f32], &[f32]),
+    (k2, v2): (&[f32], &[f32]),
+    cut: usize,
+) -> (Sequence, Sequence, usize) {
+    let w = 2 * D;
+    let mut a = new_seq(cfg.clone());
+    append_all(&mut a, k, v);
+    let back = a.truncate(cut).unwrap();
+    append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
+    append_all(&mut a, k2, v2);
+    let mut b = new_seq(cfg.clone());
+    append_all(&mut b, &k[..cut * w], &v[..cut * w]);
+    append_all(&mut b, k2, v2);
+    a.seal_idle(0).unwrap();
+    b.seal_idle(0).unwrap();
+    (a, b, back)
+}
+
 #[test]
 fn truncate_then_reappend_equals_never_appending() {
     let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
@@ -211,37 +247,18 @@ fn truncate_then_reappend_equals_never_appending() {
     let (k, v) = (kv(&mut rng, 900, 2), kv(&mut rng, 900, 2));
     let (k2, v2) = (kv(&mut rng, 400, 2), kv(&mut rng, 400, 2));
     let w = 2 * D;
-    let append_all = |seq: &mut Sequence, k: &[f32], v: &[f32]| {
-        for layer in 0..2 {
-            let mut t = 0;
-            let n = k.len() / w;
-            while t < n {
-                let take = seq.chunk_limit(layer).unwrap().min(n - t);
-                seq.append(layer, &k[t * w..(t + take) * w], &v[t * w..(t + take) * w])
-                    .unwrap();
-                t += take;
-            }
-        }
-    };
+    let mut full = new_seq(cfg.clone());
+    append_all(&mut full, &k, &v);
+    let b_end = SINK + 128 * full.sealed_groups(0).unwrap();
     for cut in [850usize, 600, 300, 100] {
-        let mut a = new_seq(cfg.clone());
-        append_all(&mut a, &k, &v);
-        let b_end = SINK + 128 * a.sealed_groups(0).unwrap();
-        let back = a.truncate(cut).unwrap();
+        // re-append what truncation asked for, then the rejected continuation is gone
+        let (a, b, back) = cut_and_reappend(&cfg, (&k, &v), (&k2, &v2), cut);
         let floor = if cut >= b_end || cut <= SINK {
             cut
         } else {
             SINK + (cut - SINK) / 128 * 128
         };
         assert_eq!(back, floor, "cut at {cut} (sealed end {b_end})");
-        // re-append what truncation asked for, then the rejected continuation is gone
-        append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
-        append_all(&mut a, &k2, &v2);
-        let mut b = new_seq(cfg.clone());
-        append_all(&mut b, &k[..cut * w], &v[..cut * w]);
-        append_all(&mut b, &k2, &v2);
-        a.seal_idle(0).unwrap();
-        b.seal_idle(0).unwrap();
         assert_eq!(payload(&a), payload(&b), "cut at {cut}");
     }
     // rejecting the last tokens (in the ring) is free and exact
@@ -784,33 +801,12 @@ fn the_recommended_journal_round_trips_and_truncates() {
     for cut in [0, 100, stream.len() / 2, stream.len() - 1] {
         assert!(Sequence::from_state(Arc::new(cfg.clone()), None, &stream[..cut]).is_err());
     }
-    // A cut in the body, then re-appending what the journal asks for, equals never appending.
-    let w = 2 * D;
-    let append_all = |seq: &mut Sequence, k: &[f32], v: &[f32]| {
-        for layer in 0..2 {
-            let (mut t, n) = (0, k.len() / w);
-            while t < n {
-                let take = seq.chunk_limit(layer).unwrap().min(n - t);
-                seq.append(layer, &k[t * w..(t + take) * w], &v[t * w..(t + take) * w])
-                    .unwrap();
-                t += take;
-            }
-        }
-    };
-    // A cut inside the sink clears the key offset; refilling the sink fixes the new one.
+    // A cut in the body, then re-appending what the journal asks for, equals never appending; a
+    // cut inside the sink clears the key offset and refilling the sink fixes the new one.
     let (k2, v2) = (kv(&mut rng, 400, 2), kv(&mut rng, 400, 2));
     for cut in [700, 100] {
-        let mut a = new_seq(cfg.clone());
-        append_all(&mut a, &k, &v);
-        let back = a.truncate(cut).unwrap();
+        let (a, b, back) = cut_and_reappend(&cfg, (&k, &v), (&k2, &v2), cut);
         assert!(back <= cut && cut - back < 128);
-        append_all(&mut a, &k[back * w..cut * w], &v[back * w..cut * w]);
-        append_all(&mut a, &k2, &v2);
-        let mut b = new_seq(cfg.clone());
-        append_all(&mut b, &k[..cut * w], &v[..cut * w]);
-        append_all(&mut b, &k2, &v2);
-        a.seal_idle(0).unwrap();
-        b.seal_idle(0).unwrap();
         assert_eq!(payload(&a), payload(&b), "cut at {cut}");
         assert_eq!(
             attend(&a, 0, &q, None).unwrap(),
