@@ -15,6 +15,7 @@
 use super::caller_joins::run_items;
 use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use super::online_softmax::{merge_states, Softmax};
+use super::ring_q8_values::q8_value_sums;
 use super::ring_scores::{key_scores, value_sums, FixedQueries, RingKernel};
 use super::sequence::{LayerJournal, Sequence};
 use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
@@ -192,11 +193,12 @@ fn fold_chunk_body(
     // Ring, in blocks aligned to 128 positions. With one pair block (decoding) rows are
     // decoded piece by piece as they are scored, so they stay in L1; with several (prefill)
     // the block is decoded once and shared by all of them. Both give the same bits. `tq6_0`
-    // keys are scored from their codes ([`key_scores`]), never decoded.
+    // keys are scored from their codes ([`key_scores`]), `tq6_0` and `q8_0` values summed from
+    // theirs ([`value_sums`], [`q8_value_sums`]): never decoded.
     let ring = job.seq.ring_cursor(lj, lj.ring_start(job.sink), h);
     let (coded_keys, coded_values) = (
         lj.rows.k.staging == Staging::Tq6,
-        lj.rows.v.staging == Staging::Tq6,
+        matches!(lj.rows.v.staging, Staging::Tq6 | Staging::Q8_0),
     );
     if coded_keys && lj.ring_start(job.sink).max(span.start) < lj.len.min(span.end) {
         // Every query pair in fixed point, once per chunk.
@@ -224,7 +226,7 @@ fn fold_chunk_body(
             Some(CodedRows {
                 entries: &entries[..ahead],
                 keys: coded_keys,
-                values: coded_values.then(|| lj.rows.k.row_bytes()),
+                values: coded_values.then(|| (lj.rows.k.row_bytes(), lj.rows.v.staging)),
             })
         } else {
             None
@@ -276,14 +278,14 @@ fn fold_chunk_body(
     Ok(())
 }
 
-/// The ring entries (K row, then V row) of a block whose keys and/or values are `tq6_0`,
-/// read from their codes ([`key_scores`], [`value_sums`]) instead of decoded; entries past
-/// the block's rows are only fetched ahead.
+/// The ring entries (K row, then V row) of a block whose `tq6_0` keys and/or `tq6_0` or
+/// `q8_0` values are read from their codes ([`key_scores`], [`value_sums`],
+/// [`q8_value_sums`]) instead of decoded; entries past the block's rows are only fetched ahead.
 struct CodedRows<'a> {
     entries: &'a [&'a [u8]],
     keys: bool,
-    /// Where the value row starts in an entry, when values are coded.
-    values: Option<usize>,
+    /// Where the value row starts in an entry and its staging, when values are coded.
+    values: Option<(usize, Staging)>,
 }
 
 /// Ring positions fetched ahead of the one being decoded.
@@ -511,9 +513,14 @@ fn fold_dense(
         let seen = if live[slot] { visible[slot] } else { 0 };
         sc.weights[slot * GROUP + seen..slot * GROUP + most].fill(0.0);
     }
-    if let Some((entries, offset)) = coded.and_then(|c| Some((c.entries, c.values?))) {
+    if let Some((entries, (offset, staging))) = coded.and_then(|c| Some((c.entries, c.values?))) {
         let (w, out) = (&sc.weights, &mut sc.part_v);
-        value_sums(
+        let sums = if staging == Staging::Q8_0 {
+            q8_value_sums
+        } else {
+            value_sums
+        };
+        sums(
             ctx.ring, d, w, GROUP, np, entries, offset, most, out, d, false,
         );
     } else {

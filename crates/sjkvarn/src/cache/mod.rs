@@ -18,6 +18,7 @@ pub mod faults;
 mod fragment_dots;
 mod online_softmax;
 pub mod pool;
+mod ring_q8_values;
 mod ring_scores;
 pub mod sequence;
 pub mod snapshot;
