@@ -6,7 +6,7 @@ use crate::errors::{self, invalid};
 use crate::shared::Shared;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use sjkvarn::cache::attention::attend_with_threads;
+use sjkvarn::attention::attend_with_threads;
 use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,

@@ -10,10 +10,11 @@ mod shared;
 use dlpack::{read_f32, with_f32_out};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use sjkvarn::body::BodyCoding;
-use sjkvarn::body::GROUP;
+use sjkvarn::codec::extension::body::BodyCoding;
+use sjkvarn::codec::extension::body::GROUP;
+use sjkvarn::codec::extension::records;
 use sjkvarn::codec::BodyCodec;
-use sjkvarn::{records, BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
+use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat, BlockFormat, BodySpec};
 
 use errors::invalid;
 
@@ -57,9 +58,17 @@ fn encode<'py>(
     }
     let bytes = py
         .detach(|| {
-            let mut out = vec![0u8; sjkvarn::format::encoded_len_rows(f, host.values.len(), last)?];
-            sjkvarn::format::encode_rows_frame(f, &host.values, last, rotated, &mut out, threads)
-                .map(|()| out)
+            let mut out =
+                vec![0u8; sjkvarn::codec::format::encoded_len_rows(f, host.values.len(), last)?];
+            sjkvarn::codec::format::encode_rows_frame(
+                f,
+                &host.values,
+                last,
+                rotated,
+                &mut out,
+                threads,
+            )
+            .map(|()| out)
         })
         .map_err(err)?;
     Ok(PyBytes::new(py, &bytes))
@@ -79,8 +88,10 @@ fn decode_into(
     let f = format_of(format)?;
     with_f32_out(out, "out", |values, shape| {
         let last = shape.last().copied().unwrap_or(0);
-        py.detach(|| sjkvarn::format::decode_rows_frame(f, blob, last, rotated, values, threads))
-            .map_err(err)
+        py.detach(|| {
+            sjkvarn::codec::format::decode_rows_frame(f, blob, last, rotated, values, threads)
+        })
+        .map_err(err)
     })
 }
 

@@ -11,9 +11,9 @@
 //! each call starts with its cache out of the CPU's caches. The filled cache is kept
 //! as a snapshot under `target/` so a rerun skips the seal.
 
-use sjkvarn::body::{BodyCoding, TrellisAxis};
-use sjkvarn::cache::attention::{attend, attend_with_threads};
+use sjkvarn::attention::{attend, attend_with_threads};
 use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
+use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
 use std::time::Instant;

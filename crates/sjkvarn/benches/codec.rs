@@ -4,10 +4,11 @@
 //! Run: `cargo bench -p sjkvarn --bench codec` (add `-- --quick` for a fast pass).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use sjkvarn::body::GROUP;
+use sjkvarn::codec::extension::body::GROUP;
+use sjkvarn::codec::format;
 use sjkvarn::codec::fp16::f32_to_f16;
 use sjkvarn::codec::{Body, Decoder, RecordLayout, Sealer, ITERS};
-use sjkvarn::{format, BlockFormat};
+use sjkvarn::BlockFormat;
 use std::hint::black_box;
 
 /// Deterministic Gaussian-like values (Irwin-Hall, 4 uniforms) without extra crates.

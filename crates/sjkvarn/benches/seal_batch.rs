@@ -4,9 +4,9 @@
 //!
 //! Run: `cargo bench -p sjkvarn --bench seal_batch`
 
-use sjkvarn::body::{BodyCoding, TrellisAxis, GROUP};
+use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis, GROUP};
+use sjkvarn::codec::extension::records::encode_records;
 use sjkvarn::codec::BodyCodec;
-use sjkvarn::records::encode_records;
 use sjkvarn::rng::SplitMix64;
 use sjkvarn::BalanceConfig;
 use std::time::Instant;

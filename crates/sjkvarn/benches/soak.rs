@@ -19,10 +19,10 @@
 //! reference count equal to the number of sequences holding it. Any violation panics.
 //! Reports tokens/s, operation counts, pool high-water mark and RSS (start, middle, end, peak).
 
-use sjkvarn::body::BodyCoding;
-use sjkvarn::cache::attention::attend;
+use sjkvarn::attention::attend;
 use sjkvarn::cache::staging::RingRows;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
+use sjkvarn::codec::extension::body::BodyCoding;
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
 use std::path::Path;
@@ -87,7 +87,7 @@ fn config() -> Arc<CacheConfig> {
     c.max_tail = 512;
     c.max_chunk = 128;
     // Layer 1: the reference 3/2 trellis body (layer 0 stays 4/4 scalar).
-    let t = BodyCoding::Trellis(sjkvarn::body::TrellisAxis::Token);
+    let t = BodyCoding::Trellis(sjkvarn::codec::extension::body::TrellisAxis::Token);
     c.layer_coding[1] = LayerCoding {
         k_bits: 3,
         v_bits: 2,

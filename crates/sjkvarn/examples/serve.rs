@@ -8,9 +8,9 @@
 //!
 //! Run: `cargo run --release -p sjkvarn --example serve`
 
-use sjkvarn::body::{BodyCoding, TrellisAxis};
-use sjkvarn::cache::attention::attend;
+use sjkvarn::attention::attend;
 use sjkvarn::cache::{CacheConfig, CacheResult, LayerCoding, Sequence};
+use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::rng::SplitMix64;
 use std::collections::VecDeque;
 use std::sync::Arc;

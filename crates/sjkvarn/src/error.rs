@@ -37,7 +37,7 @@ pub enum CodecError {
     #[error("{what}: a stored fp16 scale would overflow (value {value:e}); the input is too large for this format")]
     ScaleOverflow { what: &'static str, value: f32 },
 
-    #[error("unknown format '{0}'; known formats: {known}", known = crate::format::BlockFormat::names().join(", "))]
+    #[error("unknown format '{0}'; known formats: {known}", known = crate::codec::format::BlockFormat::names().join(", "))]
     UnknownFormat(String),
 
     #[error("invalid setting: {0}")]

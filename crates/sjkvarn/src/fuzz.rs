@@ -2,11 +2,11 @@
 //! `Err` describing a broken invariant, and never panic. Driven by the `sjkvarn-fuzz` binary
 //! (mutational, time-bounded) and replayed over the committed corpus by `tests/fuzz_corpus.rs`.
 
-use crate::body::{BodyCoding, BodySpec, TrellisAxis, BODY_BITS, GROUP};
-use crate::cache::attention::attend;
+use crate::attention::attend;
 use crate::cache::snapshot::fnv1a64;
 use crate::cache::{CacheConfig, LayerCoding, Sequence, Staging};
-use crate::format::{decode_into, BlockFormat};
+use crate::codec::extension::body::{BodyCoding, BodySpec, TrellisAxis, BODY_BITS, GROUP};
+use crate::codec::format::{decode_into, BlockFormat};
 use crate::rng::SplitMix64;
 use std::sync::Arc;
 
@@ -366,7 +366,7 @@ pub fn seed_corpus(target: &str) -> Vec<Vec<u8>> {
             let mut out = Vec::new();
             for (i, f) in BlockFormat::all().iter().enumerate() {
                 let vals = rng.gaussians(256);
-                let enc = crate::format::encode(*f, &vals, Some(1)).expect("encode");
+                let enc = crate::codec::format::encode(*f, &vals, Some(1)).expect("encode");
                 let mut input = vec![0u8, i as u8, 255, 0];
                 input.extend(enc);
                 out.push(input);

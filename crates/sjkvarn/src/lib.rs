@@ -4,7 +4,7 @@
 //! *ring* of recent tokens, and older tokens sealed in 128-token *body records*: keys and values
 //! are Walsh-Hadamard rotated, Sinkhorn balanced and coded at 2/3/4 bits (scalar rounding or a
 //! 64-state trellis) with absorbed fp16 scales. Records live in a [`cache::RecordPool`] shared by
-//! many [`cache::Sequence`]s (forks share their prefix); [`cache::attention::attend`] reads the
+//! many [`cache::Sequence`]s (forks share their prefix); [`attention::attend`] reads the
 //! compressed cache directly. Everything runs on the CPU (the reference implementation); the
 //! optional `cuda` feature adds a device backend (`cuda::DeviceSequence`) whose kernels
 //! (this crate's `cuda/` folder) are compiled with NVRTC at run time, so nothing CUDA is needed
@@ -15,8 +15,8 @@
 //! ([`codec`]), the `tq6_0` staging rows, the journal rules ([`journal`]) and the `SJKVSEQ`
 //! sequence state stream ([`cache::Sequence::state_bytes`]); the reference's bit-exactness
 //! vectors and golden state hashes are reproduced by this crate's tests. Extensions (64-wide
-//! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys) and the comparator formats ([`ggml`], [`tq`],
-//! reachable by name through [`format`](mod@format)) are described with every byte layout in
+//! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys) and the comparator formats ([`codec::comparators`],
+//! reachable by name through [`codec::format`]) are described with every byte layout in
 //! the repository's `docs/formats.md`.
 //!
 //! ```
@@ -49,42 +49,36 @@
 //! # Ok::<(), sjkvarn::CacheError>(())
 //! ```
 //!
-//! Lower layers: [`hadamard`], [`balance`], [`body`], [`tq`] and [`records`] (the v1 extension
-//! body and comparators); `examples/serve.rs` shows a server loop over many sequences.
+//! Layout: [`codec`] (the record format, its [`codec::extension`]s and the
+//! [`codec::comparators`]), [`journal`] (the rules: sink, ring, seals), [`cache`] (the journal
+//! shell: configuration, sequences, record pool, snapshots), [`attention`] (the CPU kernels);
+//! `examples/serve.rs` shows a server loop over many sequences.
 
 pub mod atomic_file;
-pub mod balance;
-pub mod bitpack;
-pub mod body;
+pub mod attention;
 pub mod cache;
 pub mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
-pub mod format;
 #[doc(hidden)]
 pub mod fuzz;
-pub mod ggml;
-pub mod hadamard;
 pub mod journal;
 pub mod kernel_abi;
-pub mod lloyd_max;
-mod lloyd_max_tables;
-pub mod records;
+mod parallel;
 pub mod rng;
 pub mod simd;
-pub mod tq;
 
-pub use balance::{BalanceConfig, BalanceMode, BalanceStat};
-pub use body::{BodySpec, GROUP};
+pub use codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
+pub use codec::extension::body::{BodySpec, GROUP};
+pub use codec::format::BlockFormat;
 pub use error::{CodecError, Result};
-pub use format::BlockFormat;
 
 // What a native server needs, at the crate root: a configuration, sequences on a shared record
 // pool, attention over them, and the errors.
-pub use body::BodyCoding;
-pub use cache::attention::{attend, attend_with_threads};
+pub use attention::{attend, attend_with_threads};
 pub use cache::{
     CacheConfig, CacheError, CacheResult, JournalPreset, LayerCoding, MemoryReport, RecordPool,
     Sequence, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
 };
+pub use codec::extension::body::BodyCoding;

@@ -2,9 +2,9 @@
 //! exhaustion and concurrent use.
 
 use proptest::prelude::*;
-use sjkvarn::body::{BodyCoding, TrellisAxis};
-use sjkvarn::cache::attention::attend;
+use sjkvarn::attention::attend;
 use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, LayerImage, Sequence, Staging, SINK};
+use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::codec::rotation::rotate_heads;
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;

@@ -4,8 +4,8 @@
 //! API (our own implementation of its position-addressable input generator and ubatch pattern),
 //! plus round trips and the reference's truncation semantics.
 
-use sjkvarn::body::{BodyCoding, TrellisAxis};
 use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence, SinkType, Staging};
+use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use std::sync::Arc;
 
 const D: usize = 128;

@@ -1,8 +1,8 @@
 //! Cache configuration and its validation.
 
 use super::{CacheError, CacheResult};
-use crate::balance::BalanceConfig;
-use crate::body::{BodyCoding, GROUP};
+use crate::codec::extension::balance::BalanceConfig;
+use crate::codec::extension::body::{BodyCoding, GROUP};
 use crate::codec::BodyCodec;
 use crate::journal::Rules;
 

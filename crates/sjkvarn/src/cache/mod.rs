@@ -6,25 +6,16 @@
 //! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16, keys and values apart).
 //! * [`auto_staging`]: `staging = "auto"`, each layer's pick measured on its own rows.
 //! * [`sequence`]: one sequence's journal per layer: append, seal, truncate, fork, accounting.
-//! * [`attention`]: one-pass CPU attention over sink, body and ring.
 //! * [`snapshot`]: versioned, checksummed save and load.
 
-pub mod attention;
 pub mod auto_staging;
-mod caller_joins;
 pub mod config;
 #[doc(hidden)]
 pub mod faults;
-mod fragment_dots;
-mod online_softmax;
 pub mod pool;
-mod ring_q8_values;
-mod ring_scores;
 pub mod sequence;
 pub mod snapshot;
 pub mod staging;
-mod tile_gemm;
-mod word_dots;
 
 pub use config::{
     CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,

@@ -14,7 +14,7 @@ use super::config::CacheConfig;
 use super::pool::{RecordPool, SlotId};
 use super::staging::RingRows;
 use super::{CacheError, CacheResult};
-use crate::body::GROUP;
+use crate::codec::extension::body::GROUP;
 use crate::codec::fp16::f32_to_f16;
 use crate::codec::rotation::rotate_heads;
 use crate::error::check_finite;

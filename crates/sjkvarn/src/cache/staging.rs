@@ -5,8 +5,8 @@
 //! and the `q8_0` extension. Keys and values may use different types ([`RingRows`]).
 
 use super::config::Staging;
+use crate::codec::comparators::ggml::{block_scales, GgmlFormat};
 use crate::codec::tq6;
-use crate::ggml::{block_scales, GgmlFormat};
 use crate::{CodecError, Result};
 use half::f16;
 use half::slice::HalfFloatSliceExt;

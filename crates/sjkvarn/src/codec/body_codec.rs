@@ -11,8 +11,8 @@ use super::fp16::f16_to_f32;
 use super::layout::{Body, RecordLayout, GROUP};
 use super::record::{Decoder, Sealer};
 use super::units::UnitReader;
-use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
-use crate::body::{BodyCoding, BodySpec, DecodedHalf, TrellisAxis};
+use crate::codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
+use crate::codec::extension::body::{BodyCoding, BodySpec, DecodedHalf, TrellisAxis};
 use crate::error::{CodecError, Result};
 
 /// How one layer's records are coded.

@@ -10,6 +10,11 @@
 //! * [`units`]: bulk reading of records into the absorbed-scale form attention scores from.
 //! * [`tq6`]: the `tq6_0` staging blocks.
 //! * [`codebooks`]: the format's tables (data).
+//! * [`hadamard`]: the fast Walsh-Hadamard transform under [`rotation`] and the rotated formats.
+//! * [`lloyd_max`]: the Gaussian Lloyd-Max centroids of the rotated `tq*` formats.
+//! * [`extension`]: what the reference does not define (the v1 scalar body, 5/6/8-bit sides).
+//! * [`comparators`]: llama.cpp's and the `turbo`/`tq` block formats, byte for byte.
+//! * [`format`](mod@format): every block format behind one name-based API.
 //!
 //! All arithmetic that decides stored bytes is single-rounded IEEE (Rust never contracts
 //! `a * b + c` into an FMA unless asked), so the bytes match the reference on any x86-64 or
@@ -18,9 +23,15 @@
 pub mod balance;
 pub mod body_codec;
 pub mod codebooks;
+pub mod comparators;
 pub mod conformance;
+pub mod extension;
+pub mod format;
 pub mod fp16;
+pub mod hadamard;
 pub mod layout;
+pub mod lloyd_max;
+mod lloyd_max_tables;
 pub mod record;
 pub mod rotation;
 pub mod tq6;

@@ -7,11 +7,11 @@
 //! walks each payload in storage order instead: token-major streams unpack linearly, and
 //! trellis runs read their windows run by run. The tests check it against `Decoder::q` code for
 //! code. 4-bit scalar sides (fragment order) are not unpacked at all: attention scores them in
-//! place (`cache::fragment_dots`).
+//! place (`attention::fragment_dots`).
 
 use super::layout::{unpack, Body, RecordLayout};
 use super::trellis::{codebook_words, window};
-use crate::body::DecodedHalf;
+use crate::codec::extension::body::DecodedHalf;
 use crate::error::{CodecError, Result};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -189,7 +189,7 @@ impl UnitReader {
     }
 
     /// The byte range of a side whose codes attention reads in place (4-bit scalar sides in
-    /// fragment order: `cache::fragment_dots`), or `None` for sides read into units.
+    /// fragment order: `attention::fragment_dots`), or `None` for sides read into units.
     fn fragments(&self, is_v: bool) -> Option<std::ops::Range<usize>> {
         let l = self.layout;
         let (start, end) = if is_v {
@@ -576,7 +576,7 @@ mod tests {
                 reader.read(&rec, &mut got).unwrap();
                 let dec = Decoder::new(layout);
                 // Fragment sides are read in place (their sums are checked against the
-                // layout in `cache::fragment_dots`): exactly the side's payload bytes.
+                // layout in `attention::fragment_dots`): exactly the side's payload bytes.
                 for (is_v, range) in [(false, &got.k_fragments), (true, &got.v_fragments)] {
                     let fragment = scalar_4bit(body, if is_v { v } else { k });
                     assert_eq!(range.is_some(), fragment, "{d} {k}/{v} {body:?}");

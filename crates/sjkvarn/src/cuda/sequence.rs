@@ -170,13 +170,13 @@ pub struct DeviceSequence {
 /// The device record layout of a layer's coding: the reference bodies only (scalar or trellis
 /// on both sides; no RoPE-block keys, no 5..8-bit sides, no mixed scalar/trellis records).
 fn layer_layout(config: &CacheConfig, layer: usize) -> CudaResult<RecordLayout> {
-    use crate::body::BodyCoding;
+    use crate::codec::extension::body::BodyCoding;
     let lc = &config.layer_coding[layer];
     let body = match (lc.k_coding, lc.v_coding) {
         (BodyCoding::Scalar, BodyCoding::Scalar) => Body::Scalar,
         (
-            BodyCoding::Trellis(crate::body::TrellisAxis::Token),
-            BodyCoding::Trellis(crate::body::TrellisAxis::Token),
+            BodyCoding::Trellis(crate::codec::extension::body::TrellisAxis::Token),
+            BodyCoding::Trellis(crate::codec::extension::body::TrellisAxis::Token),
         ) => Body::Trellis,
         (k, v) => {
             return Err(CudaError::Unsupported(format!(
@@ -830,7 +830,7 @@ impl DeviceSequence {
         if out.iter().any(|x| !x.is_finite()) {
             let d = self.config.head_dim;
             let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-            return Err(crate::cache::attention::score_overflow(q, d, scale).into());
+            return Err(crate::attention::score_overflow(q, d, scale).into());
         }
         Ok(out)
     }

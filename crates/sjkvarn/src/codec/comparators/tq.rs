@@ -7,9 +7,9 @@
 //!
 //! Block bytes: `[corrected norm: fp16 LE][n codes, LSB-first, `bits` each]`.
 
-use crate::bitpack;
+use crate::codec::extension::bitpack;
+use crate::codec::lloyd_max::{gaussian_table, nearest_index};
 use crate::error::{CodecError, Result};
-use crate::lloyd_max::{gaussian_table, nearest_index};
 use half::f16;
 
 /// Geometry of one block: code width and values per block.

@@ -5,7 +5,7 @@
 
 use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
-pub use crate::lloyd_max_tables::{
+pub use crate::codec::lloyd_max_tables::{
     GAUSSIAN_2BIT, GAUSSIAN_3BIT, GAUSSIAN_4BIT, GAUSSIAN_5BIT, GAUSSIAN_6BIT,
 };
 

@@ -369,7 +369,7 @@ mod avx512 {
     #![allow(clippy::needless_range_loop)]
 
     use super::{centroid_words, Prepared};
-    use crate::cache::tile_gemm::avx512::reduce16;
+    use crate::attention::tile_gemm::avx512::reduce16;
     use crate::codec::tq6;
     use crate::simd::Ahead;
     use std::arch::x86_64::*;

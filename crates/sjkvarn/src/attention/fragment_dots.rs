@@ -148,7 +148,7 @@ pub(crate) fn fragment_dots_portable(
     grid.check(payload);
     let mut codes = [[0u8; TILE]; TILE];
     for col in 0..grid.cols {
-        let mut acc = [[0i32; TILE]; crate::cache::tile_gemm::MAX_ROWS];
+        let mut acc = [[0i32; TILE]; crate::attention::tile_gemm::MAX_ROWS];
         for row in 0..grid.rows {
             ahead.step();
             unpack_tile(grid.tile(payload, col, row), &mut codes);
@@ -234,11 +234,11 @@ pub(crate) fn fragment_products(
 ) {
     let (len, cols) = (grid.rows * TILE, grid.cols * TILE);
     assert!(
-        operands <= crate::cache::tile_gemm::MAX_ROWS,
+        operands <= crate::attention::tile_gemm::MAX_ROWS,
         "fragment operands"
     );
-    let mut scales = [0.0f32; crate::cache::tile_gemm::MAX_ROWS];
-    let mut totals = [0i32; crate::cache::tile_gemm::MAX_ROWS];
+    let mut scales = [0.0f32; crate::attention::tile_gemm::MAX_ROWS];
+    let mut totals = [0i32; crate::attention::tile_gemm::MAX_ROWS];
     sc.sums.resize(operands * cols, 0);
     #[cfg(target_arch = "x86_64")]
     if kernel != FragmentKernel::Portable {

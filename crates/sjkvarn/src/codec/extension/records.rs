@@ -5,12 +5,12 @@
 //! model-frame tile is rotated first, head by head). Each tile is balanced and rounded on its
 //! own with sequential reductions, so the bytes do not depend on the thread count.
 
-use crate::body::GROUP;
+use crate::codec::extension::body::GROUP;
+use crate::codec::format::with_threads;
 use crate::codec::fp16::f32_to_f16;
 use crate::codec::rotation::rotate_heads;
 use crate::codec::BodyCodec;
 use crate::error::{check_finite, CodecError, Result};
-use crate::format::with_threads;
 use rayon::prelude::*;
 
 fn tile_count(d: usize, what: &'static str, len: usize) -> Result<usize> {
@@ -130,8 +130,8 @@ pub fn decode_records(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::balance::{BalanceConfig, BalanceMode, BalanceStat};
-    use crate::body::BodyCoding;
+    use crate::codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
+    use crate::codec::extension::body::BodyCoding;
 
     fn tiles(n: usize, d: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;

@@ -8,10 +8,10 @@
 //! rounded. Decoding a row first would write and read back 4 bytes per value; the fused sum
 //! reads the 1-byte codes once.
 
-use super::ring_scores::RingKernel;
+use super::ring_tq6::RingKernel;
 use super::tile_gemm::MAX_ROWS;
+use crate::codec::comparators::ggml::{GgmlFormat, QK};
 use crate::codec::fp16::f16_to_f32;
-use crate::ggml::{GgmlFormat, QK};
 
 /// Bytes of one `q8_0` block: the fp16 scale, then 32 signed codes.
 const BLOCK_BYTES: usize = 2 + QK;
@@ -85,8 +85,8 @@ mod avx512 {
     #![allow(clippy::needless_range_loop)]
 
     use super::BLOCK_BYTES;
+    use crate::codec::comparators::ggml::QK;
     use crate::codec::fp16::f16_to_f32;
-    use crate::ggml::QK;
     use std::arch::x86_64::*;
 
     /// Rows fetched ahead of the one being summed.

@@ -6,10 +6,10 @@
 //! SJ-KVaRN reference staging block ([`crate::codec::tq6`]); `turbo3`, `turbo4` and `tq5_0` are
 //! comparators.
 
+use crate::codec::comparators::ggml::{block_scales, GgmlFormat, QK};
+use crate::codec::comparators::tq::TqBlock;
+use crate::codec::hadamard::fwht_unchecked;
 use crate::error::{check_finite, CodecError, Result};
-use crate::ggml::{block_scales, GgmlFormat, QK};
-use crate::hadamard::fwht_unchecked;
-use crate::tq::TqBlock;
 use half::f16;
 use rayon::prelude::*;
 

@@ -7,28 +7,34 @@
 //! is rotated back once at the end (`H` is orthonormal: `q . k = q' . k'`).
 //!
 //! Each query row is processed on its own, in a fixed block order (sink, groups, ring blocks
-//! aligned to 128 positions), and every sum runs in a fixed order (`cache::tile_gemm`):
+//! aligned to 128 positions), and every sum runs in a fixed order (`attention::tile_gemm`):
 //! masked positions add nothing (their weight is zero or their logit is never read), so a
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
-use super::caller_joins::run_items;
-use super::fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
-use super::online_softmax::{merge_states, Softmax};
-use super::ring_q8_values::q8_value_sums;
-use super::ring_scores::{key_scores, value_sums, FixedQueries, RingKernel};
-use super::sequence::{LayerJournal, Sequence};
-use super::tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
-use super::word_dots::{word_products, WordKernel, WordScratch, WordSum};
-use super::Staging;
-use super::{CacheError, CacheResult};
-use crate::body::{DecodedHalf, GROUP};
+mod fragment_dots;
+mod online_softmax;
+mod ring_q8;
+mod ring_tq6;
+pub(crate) mod tile_gemm;
+mod word_dots;
+
+use crate::cache::sequence::{LayerJournal, Sequence};
+use crate::cache::{CacheError, CacheResult, Staging};
+use crate::codec::extension::body::{DecodedHalf, GROUP};
 use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::codec::{BodyCodec, HalfReader};
 use crate::error::check_finite;
+use crate::parallel::run_items;
 use crate::simd::{simd_level, Ahead, SimdLevel};
+use fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use half::slice::HalfFloatSliceExt;
+use online_softmax::{merge_states, Softmax};
+use ring_q8::q8_value_sums;
+use ring_tq6::{key_scores, value_sums, FixedQueries, RingKernel};
 use std::cell::RefCell;
+use tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
+use word_dots::{word_products, WordKernel, WordScratch, WordSum};
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
 /// derived from the thread count or the call), so results do not depend on scheduling.
@@ -928,8 +934,8 @@ pub(crate) fn score_overflow(q: &[f32], d: usize, scale: f32) -> CacheError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::body::{BodyCoding, TrellisAxis};
     use crate::cache::{CacheConfig, LayerCoding};
+    use crate::codec::extension::body::{BodyCoding, TrellisAxis};
     use crate::rng::SplitMix64;
     use crate::simd::detected_level;
     use std::sync::Arc;

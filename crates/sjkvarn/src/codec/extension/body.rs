@@ -17,10 +17,10 @@
 //! Codes are the integers `q` (K channel-major, V token-major). Trellis bodies are the
 //! reference's only ([`crate::codec`]).
 
-use crate::balance::{balance, BalanceConfig};
-use crate::bitpack;
+use crate::codec::extension::balance::{balance, BalanceConfig};
+use crate::codec::extension::bitpack;
+use crate::codec::hadamard::{rotate_rows, rotation_size};
 use crate::error::{check_finite, CodecError, Result};
-use crate::hadamard::{rotate_rows, rotation_size};
 use half::f16;
 
 /// Tokens per sealed group.
@@ -100,7 +100,7 @@ pub struct DecodedHalf {
     /// Trellis sides held as their codebook values in 16-bit fixed point, `[R][G]`
     /// channel-major: unit `u[c][t] = words[c * G + t] * step`, with `word_steps = Some([K step,
     /// V step])`; `k_units` / `v_units` are then unused. Attention sums them with integer dot
-    /// products (`cache::word_dots`).
+    /// products (`attention::word_dots`).
     pub k_words: Vec<i16>,
     pub v_words: Vec<i16>,
     pub word_steps: Option<[f32; 2]>,

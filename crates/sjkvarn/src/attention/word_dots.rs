@@ -22,7 +22,7 @@
 use super::fragment_dots::fixed_scale_within;
 use super::online_softmax::pairwise;
 use super::tile_gemm::MAX_ROWS;
-use crate::body::GROUP;
+use crate::codec::extension::body::GROUP;
 use crate::codec::trellis::WORD_LIMIT;
 use crate::simd::Ahead;
 
@@ -298,7 +298,7 @@ mod vnni {
     #![allow(clippy::needless_range_loop)]
 
     use super::{Ahead, GROUP, KEY_BLOCK, VALUE_LANES};
-    use crate::cache::tile_gemm::avx512::{add_halves4, add_halves8, reduce16_tail};
+    use crate::attention::tile_gemm::avx512::{add_halves4, add_halves8, reduce16_tail};
     use std::arch::x86_64::*;
 
     /// Key sums of `M` rows: per 32 tokens, channels `c, c + 1` interleaved word by word

@@ -1,0 +1,9 @@
+//! Format extensions beyond the SJ-KVaRN reference: the v1 scalar body record (5/6/8-bit sides,
+//! the `best`/`rms` balancing of the paper-faithful KVarN comparator), its balancing, batched
+//! sealing of many records, and the bit packing its payloads use. Every byte layout is in the
+//! repository's `docs/formats.md`.
+
+pub mod balance;
+pub mod bitpack;
+pub mod body;
+pub mod records;
