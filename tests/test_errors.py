@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import small_config
 
 import sjkvarn
 from sjkvarn import (
     Cache,
-    Config,
     CorruptDataError,
     CudaUnavailableError,
     InvalidInputError,
@@ -28,21 +28,6 @@ from sjkvarn import (
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 CUDA = sjkvarn.cuda_available()
-
-
-def small_config(**kw: object) -> Config:
-    base: dict[str, object] = dict(
-        layers=2,
-        kv_heads=2,
-        q_heads=4,
-        head_dim=64,
-        min_tail=128,
-        max_tail=256,
-        max_chunk=128,
-        max_tokens=1024,
-    )
-    base.update(kw)
-    return Config(**base)  # type: ignore[arg-type]
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

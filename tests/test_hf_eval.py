@@ -159,6 +159,27 @@ def test_analyze_reports_every_layer(model_and_tokenizer) -> None:  # type: igno
     assert row["K"]["rot-minmax@4"] < row["K"]["minmax@4"]
 
 
+def test_diagnosis_measures_each_layer_against_exact_attention(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from sjkvarn.eval import diagnose
+
+    net, tok = model_and_tokenizer
+    ids = tok(histories.coding().text, return_tensors="pt").input_ids[:, :672]
+    configs = {
+        "ring f16, nothing sealed": dict(staging="f16", min_tail=1024, max_tail=1152),
+        "KVarN 4/4 tail 0": dict(diagnose.FAITHFUL, min_tail=0, max_tail=128),
+    }
+    report = diagnose.diagnose_history(net, ids, 32, configs)
+    assert len(report) == net.config.num_hidden_layers
+    for layer in report.values():
+        exact, coded = (layer["configs"][name] for name in configs)
+        # fp16 rows: only rounding; 4-bit records over most positions: far more error
+        assert exact["mean_error"] < 2e-3 and coded["mean_error"] > 3 * exact["mean_error"]
+        assert exact["regions"]["body"] == [128, 128] and coded["regions"]["body"][1] > 128
+        assert abs(sum(coded["mass"].values()) - 1) < 1e-3
+        newest = layer["mass_on_newest"]
+        assert 0 < newest[128] <= newest[1024] <= 1 + 1e-6
+
+
 def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
     from sjkvarn.eval import needles
 

@@ -46,7 +46,13 @@ def check_rule(staging: str) -> None:
     journal = memory.Journal(min_tail=128, max_tail=384, max_chunk=64, staging=staging)
     cfg = sjkvarn.Config(
         staging=staging,
-        layers=2, kv_heads=2, head_dim=64, min_tail=128, max_tail=384, max_chunk=64, max_tokens=4096
+        layers=2,
+        kv_heads=2,
+        head_dim=64,
+        min_tail=128,
+        max_tail=384,
+        max_chunk=64,
+        max_tokens=4096,
     )
     cache = sjkvarn.Cache(cfg)
     gen = torch.Generator().manual_seed(0)

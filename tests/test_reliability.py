@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import small_config
 
 import sjkvarn
 from sjkvarn import (
@@ -30,12 +31,7 @@ TEMP_SUFFIX = ".sjkvarn-tmp"
 
 
 def config(**kw: object) -> Config:
-    base: dict[str, object] = dict(
-        layers=2, kv_heads=2, q_heads=4, head_dim=64, min_tail=128, max_tail=256,
-        max_chunk=128, max_tokens=2048,
-    )
-    base.update(kw)
-    return Config(**base)  # type: ignore[arg-type]
+    return small_config(**{"max_tokens": 2048, **kw})
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:
@@ -192,55 +188,165 @@ BIG = 10**20
 # (call, expected class, builtin it must also be, word the message must contain)
 REFUSALS: list[tuple[str, Callable[[], object], type[SjkvarnError], type[Exception], str]] = [
     ("truncate(2.9)", lambda: _c().truncate(2.9), UnsupportedTypeError, TypeError, "n"),
-    ("append(1.7)", lambda: _c().append(1.7, rows(1), rows(1)), UnsupportedTypeError, TypeError,
-     "layer"),
-    ('append("0")', lambda: _c().append("0", rows(1), rows(1)), UnsupportedTypeError, TypeError,
-     "layer"),
-    ("append(None)", lambda: _c().append(None, rows(1), rows(1)), UnsupportedTypeError,
-     TypeError, "layer"),
-    ("append(True)", lambda: _c().append(True, rows(1), rows(1)), UnsupportedTypeError,
-     TypeError, "layer"),
+    (
+        "append(1.7)",
+        lambda: _c().append(1.7, rows(1), rows(1)),
+        UnsupportedTypeError,
+        TypeError,
+        "layer",
+    ),
+    (
+        'append("0")',
+        lambda: _c().append("0", rows(1), rows(1)),
+        UnsupportedTypeError,
+        TypeError,
+        "layer",
+    ),
+    (
+        "append(None)",
+        lambda: _c().append(None, rows(1), rows(1)),
+        UnsupportedTypeError,
+        TypeError,
+        "layer",
+    ),
+    (
+        "append(True)",
+        lambda: _c().append(True, rows(1), rows(1)),
+        UnsupportedTypeError,
+        TypeError,
+        "layer",
+    ),
     ("attend(0.0)", lambda: _c().attend(0.0, _q()), UnsupportedTypeError, TypeError, "layer"),
     ("length(1.0)", lambda: _c().length(1.0), UnsupportedTypeError, TypeError, "layer"),
     ("truncate(10**20)", lambda: _c().truncate(BIG), InvalidInputError, ValueError, "n"),
-    ("seal_idle(10**20)", lambda: _c().seal_idle(BIG), InvalidInputError, ValueError,
-     "keep_recent"),
-    ("append(10**20)", lambda: _c().append(BIG, rows(1), rows(1)), LayerIndexError, IndexError,
-     "layer"),
-    ("Config(passes=-1)", lambda: Cache(config(passes=-1)), InvalidInputError, ValueError,
-     "passes"),
-    ("Config(min_tail=-5)", lambda: Cache(config(min_tail=-5)), InvalidInputError, ValueError,
-     "min_tail"),
-    ("Config(flush_chunk=-1)", lambda: Cache(config(flush_chunk=-1)), InvalidInputError,
-     ValueError, "flush_chunk"),
-    ("Config(max_tokens=10**20)", lambda: Cache(config(max_tokens=BIG)), InvalidInputError,
-     ValueError, "max_tokens"),
-    ("Config(k_bits=2.5)", lambda: Cache(config(k_bits=2.5)), UnsupportedTypeError, TypeError,
-     "k_bits"),
-    ("Config(v_bits='4')", lambda: Cache(config(v_bits="4")), UnsupportedTypeError, TypeError,
-     "v_bits"),
-    ("Config(layers=2.0)", lambda: Cache(config(layers=2.0)), UnsupportedTypeError, TypeError,
-     "layers"),
-    ("Config(staging=8)", lambda: Cache(config(staging=8)), UnsupportedTypeError, TypeError,
-     "staging"),
-    ("Config(staging_budget=nan)", lambda: Cache(config(staging="auto",
-     staging_budget=float("nan"))), InvalidInputError, ValueError, "staging_budget"),
+    (
+        "seal_idle(10**20)",
+        lambda: _c().seal_idle(BIG),
+        InvalidInputError,
+        ValueError,
+        "keep_recent",
+    ),
+    (
+        "append(10**20)",
+        lambda: _c().append(BIG, rows(1), rows(1)),
+        LayerIndexError,
+        IndexError,
+        "layer",
+    ),
+    (
+        "Config(passes=-1)",
+        lambda: Cache(config(passes=-1)),
+        InvalidInputError,
+        ValueError,
+        "passes",
+    ),
+    (
+        "Config(min_tail=-5)",
+        lambda: Cache(config(min_tail=-5)),
+        InvalidInputError,
+        ValueError,
+        "min_tail",
+    ),
+    (
+        "Config(flush_chunk=-1)",
+        lambda: Cache(config(flush_chunk=-1)),
+        InvalidInputError,
+        ValueError,
+        "flush_chunk",
+    ),
+    (
+        "Config(max_tokens=10**20)",
+        lambda: Cache(config(max_tokens=BIG)),
+        InvalidInputError,
+        ValueError,
+        "max_tokens",
+    ),
+    (
+        "Config(k_bits=2.5)",
+        lambda: Cache(config(k_bits=2.5)),
+        UnsupportedTypeError,
+        TypeError,
+        "k_bits",
+    ),
+    (
+        "Config(v_bits='4')",
+        lambda: Cache(config(v_bits="4")),
+        UnsupportedTypeError,
+        TypeError,
+        "v_bits",
+    ),
+    (
+        "Config(layers=2.0)",
+        lambda: Cache(config(layers=2.0)),
+        UnsupportedTypeError,
+        TypeError,
+        "layers",
+    ),
+    (
+        "Config(staging=8)",
+        lambda: Cache(config(staging=8)),
+        UnsupportedTypeError,
+        TypeError,
+        "staging",
+    ),
+    (
+        "Config(staging_budget=nan)",
+        lambda: Cache(config(staging="auto", staging_budget=float("nan"))),
+        InvalidInputError,
+        ValueError,
+        "staging_budget",
+    ),
     ("Cache(dict)", lambda: Cache({"layers": 1}), UnsupportedTypeError, TypeError, "config"),
-    ("from_state(str)", lambda: Cache.from_state(config(), "abc"), UnsupportedTypeError,
-     TypeError, "data"),
-    ("threads=True", lambda: _c().attend(0, _q(), threads=True), UnsupportedTypeError, TypeError,
-     "threads"),
-    ("threads=1.0", lambda: _c().attend(0, _q(), threads=1.0), UnsupportedTypeError, TypeError,
-     "threads"),
-    ("threads=0", lambda: _c().attend(0, _q(), threads=0), InvalidInputError, ValueError,
-     "threads"),
-    ("scale='1'", lambda: _c().attend(0, _q(), scale="1"), UnsupportedTypeError, TypeError,
-     "scale"),
-    ("object array", lambda: _c().append(0, rows(1).astype(object), rows(1)),
-     UnsupportedTypeError, TypeError, "k"),
+    (
+        "from_state(str)",
+        lambda: Cache.from_state(config(), "abc"),
+        UnsupportedTypeError,
+        TypeError,
+        "data",
+    ),
+    (
+        "threads=True",
+        lambda: _c().attend(0, _q(), threads=True),
+        UnsupportedTypeError,
+        TypeError,
+        "threads",
+    ),
+    (
+        "threads=1.0",
+        lambda: _c().attend(0, _q(), threads=1.0),
+        UnsupportedTypeError,
+        TypeError,
+        "threads",
+    ),
+    (
+        "threads=0",
+        lambda: _c().attend(0, _q(), threads=0),
+        InvalidInputError,
+        ValueError,
+        "threads",
+    ),
+    (
+        "scale='1'",
+        lambda: _c().attend(0, _q(), scale="1"),
+        UnsupportedTypeError,
+        TypeError,
+        "scale",
+    ),
+    (
+        "object array",
+        lambda: _c().append(0, rows(1).astype(object), rows(1)),
+        UnsupportedTypeError,
+        TypeError,
+        "k",
+    ),
     ("save(3.5)", lambda: _c().save(3.5), UnsupportedTypeError, TypeError, "save"),
-    ("load(pool_sequences=0)", lambda: Cache.load("x", pool_sequences=0), InvalidInputError,
-     ValueError, "pool_sequences"),
+    (
+        "load(pool_sequences=0)",
+        lambda: Cache.load("x", pool_sequences=0),
+        InvalidInputError,
+        ValueError,
+        "pool_sequences",
+    ),
     ("to(device=1)", lambda: _c().to(1), UnsupportedTypeError, TypeError, "device"),
 ]
 

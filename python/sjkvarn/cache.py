@@ -327,6 +327,79 @@ def _exportable(x: Any, name: str) -> Any:
     return x
 
 
+class _HostTensors:
+    """How a CPU cache takes and returns tensors: numpy arrays or CPU torch tensors (any float
+    dtype, converted to float32), results of the query's kind."""
+
+    def append(self, core: Any, layer: int, k: Any, v: Any, rotated: bool) -> None:
+        if not isinstance(rotated, (bool, np.bool_)):
+            raise UnsupportedTypeError(f"rotated must be a bool, got {type(rotated).__name__}")
+        core.append(layer, _exportable(k, "k"), _exportable(v, "v"), bool(rotated))
+
+    def attend(
+        self, core: Any, layer: int, q: Any, scale: float | None, threads: int | None
+    ) -> Any:
+        q = _exportable(q, "q")
+        if _is_torch(q):
+            import torch
+
+            out = torch.empty(tuple(q.shape), dtype=torch.float32)
+            core.attend_into(layer, q, out, scale, threads)
+            return out if q.dtype == torch.float32 else out.to(q.dtype)
+        out_np = np.empty(tuple(np.shape(q)), dtype=np.float32)
+        core.attend_into(layer, q, out_np, scale, threads)
+        return out_np
+
+
+class _CudaTensors:
+    """How a device cache takes and returns tensors: torch CUDA tensors on its device, work
+    ordered on torch's current stream."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+
+    def _f32(self, x: Any, what: str) -> Any:
+        """A compact float32 view of a torch CUDA tensor on this cache's device."""
+        if not _is_torch(x):
+            kind = type(x).__name__
+            raise UnsupportedTypeError(f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}")
+        if x.device.type != "cuda" or x.device.index != self.ordinal:
+            here = f"cuda:{self.ordinal}"
+            raise InvalidInputError(f"{what} is on {x.device}, this cache is on {here}")
+        import torch
+
+        return x.detach().to(torch.float32).contiguous()
+
+    def _stream(self) -> int:
+        import torch
+
+        return int(torch.cuda.current_stream(self.ordinal).cuda_stream)
+
+    def append(self, core: Any, layer: int, k: Any, v: Any, rotated: bool) -> None:
+        if rotated:
+            raise InvalidInputError("rotated appends are CPU-only for now")
+        k32, v32 = self._f32(k, "k"), self._f32(v, "v")
+        core.append(layer, k32, v32, False, self._stream())
+
+    def attend(
+        self, core: Any, layer: int, q: Any, scale: float | None, threads: int | None
+    ) -> Any:
+        import torch
+
+        if threads is not None:
+            raise InvalidInputError("threads applies to CPU caches; this cache is on CUDA")
+        q32 = self._f32(q, "q")
+        out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
+        core.attend_into(layer, q32, out, scale, None, self._stream())
+        if not bool(torch.isfinite(out).all()):
+            # Keys and queries are finite, so only overflowing scores give a non-finite row.
+            raise InvalidInputError(
+                "attention overflowed float32: the scores scale * q.k passed 3.4e38; "
+                "scale the query or `scale` down"
+            )
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 class Cache:
     """One sequence of the journaled cache (sink, staging ring, sealed body records)."""
 
@@ -340,39 +413,19 @@ class Cache:
         q_heads = config.kv_heads if config.q_heads is None else config.q_heads
         config = _resolved(replace(config, q_heads=q_heads), kind)
         self.config = config
-        if _core_cache is not None:
-            self._core = _core_cache
-            self._ordinal = int(getattr(_core_cache, "ordinal", 0))
-            return
-        self._ordinal = ordinal
-        spec = _spec_of(config)
-        if kind == "cuda":
-            load_nvrtc()
-            self._core = _core.DeviceCache(self._ordinal, spec, config.pool_sequences)
-        else:
-            self._core = _core.Cache(spec, config.pool_sequences)
+        if _core_cache is None:
+            if kind == "cuda":
+                load_nvrtc()
+            device = ordinal if kind == "cuda" else None
+            _core_cache = _core.Cache(_spec_of(config), config.pool_sequences, device)
+        self._core = _core_cache
+        # The one place the backend is chosen: how tensors cross for it.
+        device = self._core.ordinal
+        self._tensors = _HostTensors() if device is None else _CudaTensors(device)
 
     @property
     def is_cuda(self) -> bool:
-        return isinstance(self._core, _core.DeviceCache)
-
-    def _cuda_f32(self, x: Any, what: str) -> Any:
-        """A compact float32 view of a torch CUDA tensor on this cache's device."""
-        if not _is_torch(x):
-            kind = type(x).__name__
-            raise UnsupportedTypeError(f"{what}: a CUDA cache takes torch CUDA tensors, got {kind}")
-        if x.device.type != "cuda" or x.device.index != self._ordinal:
-            raise InvalidInputError(
-                f"{what} is on {x.device}, this cache is on cuda:{self._ordinal}"
-            )
-        import torch
-
-        return x.detach().to(torch.float32).contiguous()
-
-    def _stream(self) -> int:
-        import torch
-
-        return int(torch.cuda.current_stream(self._ordinal).cuda_stream)
+        return self._core.ordinal is not None
 
     @args.library_errors
     def append(self, layer: int, k: Any, v: Any, *, rotated: bool = False) -> None:
@@ -382,16 +435,7 @@ class Cache:
         does). An append of up to ``max_chunk`` tokens is one ubatch: a seal can only run at its
         start, when the unsealed span has reached ``max_tail``.
         """
-        if self.is_cuda:
-            if rotated:
-                raise InvalidInputError("rotated appends are CPU-only for now")
-            k32, v32 = self._cuda_f32(k, "k"), self._cuda_f32(v, "v")
-            self._core.append(_layer(layer), k32, v32, self._stream())
-            return
-        if not isinstance(rotated, (bool, np.bool_)):
-            raise UnsupportedTypeError(f"rotated must be a bool, got {type(rotated).__name__}")
-        k, v = _exportable(k, "k"), _exportable(v, "v")
-        self._core.append(_layer(layer), k, v, bool(rotated))
+        self._tensors.append(self._core, _layer(layer), k, v, rotated)
 
     @args.library_errors
     def attend(
@@ -408,33 +452,7 @@ class Cache:
         """
         threads = args.optional_integer("threads", threads, minimum=1)
         scale = None if scale is None else args.real("scale", scale)
-        if self.is_cuda:
-            import torch
-
-            if threads is not None:
-                raise InvalidInputError("threads applies to CPU caches; this cache is on CUDA")
-
-            q32 = self._cuda_f32(q, "q")
-            out = torch.empty(tuple(q32.shape), dtype=torch.float32, device=q32.device)
-            self._core.attend_into(_layer(layer), q32, out, scale, self._stream())
-            if not bool(torch.isfinite(out).all()):
-                # Keys and queries are finite, so only overflowing scores give a non-finite row.
-                raise InvalidInputError(
-                    "attention overflowed float32: the scores scale * q.k passed 3.4e38; "
-                    "scale the query or `scale` down"
-                )
-            return out if q.dtype == torch.float32 else out.to(q.dtype)
-        q = _exportable(q, "q")
-        if _is_torch(q):
-            import torch
-
-            out = torch.empty(tuple(q.shape), dtype=torch.float32)
-            self._core.attend_into(_layer(layer), q, out, scale, threads)
-            return out if q.dtype == torch.float32 else out.to(q.dtype)
-        shape = tuple(np.shape(q))
-        out_np = np.empty(shape, dtype=np.float32)
-        self._core.attend_into(_layer(layer), q, out_np, scale, threads)
-        return out_np
+        return self._tensors.attend(self._core, _layer(layer), q, scale, threads)
 
     @args.library_errors
     def truncate(self, n: int) -> int:
@@ -485,8 +503,6 @@ class Cache:
         candidate's measured score (keys: logit error centred over positions; values: relative
         error; both relative to the rows' spread), the budget and a one-line explanation.
         ``None`` for a fixed staging, or a layer nothing was appended to yet."""
-        if isinstance(self._core, _core.DeviceCache):
-            return [None] * self.config.layers  # the device ring is always tq6_0
         return [None if r is None else dict(r) for r in self._core.staging_report()]
 
     @args.library_errors
@@ -496,15 +512,13 @@ class Cache:
     @property
     def reference_format(self) -> bool:
         """Whether this cache writes the SJ-KVaRN reference format (records, staging, state)."""
-        core = self._core.to_cpu() if self.is_cuda else self._core
-        return bool(core.config()["reference_format"])
+        return bool(self._core.config()["reference_format"])
 
     @args.library_errors
     def state(self) -> bytes:
         """The sequence as an ``SJKVSEQ`` v1 stream: the reference codec's per-sequence state
         (``sj_kvarn_seq_state_write``), loadable there for a reference-format cache."""
-        core = self._core.to_cpu() if self.is_cuda else self._core
-        return bytes(core.state())
+        return bytes(self._core.state())
 
     @classmethod
     @args.library_errors
@@ -527,23 +541,18 @@ class Cache:
         succeed and the later rename wins. A failure raises :class:`StorageError` (an
         ``OSError``) and leaves ``path`` as it was. Temporaries of killed processes are removed
         by the next save to the same path. CUDA and CPU caches write the same bytes."""
-        core = self._core.to_cpu() if self.is_cuda else self._core
-        core.save(os.fspath(path))
+        self._core.save(os.fspath(path))
 
     @args.library_errors
     def to(self, device: str, *, pool_sequences: int = 1) -> Cache:
         """A byte-for-byte copy of this cache on ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
         kind, ordinal = _parse_device(args.text("device", device))
         pool_sequences = args.integer("pool_sequences", pool_sequences, minimum=1)
-        core = self._core.to_cpu() if self.is_cuda else self._core
         config = replace(self.config, device=device, pool_sequences=pool_sequences)
         if kind == "cuda":
             load_nvrtc()
-            device_core = _core.DeviceCache.from_cpu(core, ordinal, pool_sequences)
-            return Cache(config, _core_cache=device_core)
-        if self.is_cuda:
-            return Cache(config, _core_cache=core)
-        return Cache(config, _core_cache=_core.Cache.from_snapshot(core.snapshot(), pool_sequences))
+        target = ordinal if kind == "cuda" else None
+        return Cache(config, _core_cache=self._core.copy_to(target, pool_sequences))
 
     @classmethod
     @args.library_errors

@@ -1,7 +1,8 @@
 //! `sjkvarn._core.Cache`: one sequence of the journaled cache, tensors by DLPack.
 
 use crate::coding;
-use crate::dlpack::{read_f32, with_f32_out};
+use crate::cuda::cuda_err;
+use crate::dlpack::{cuda_f32, read_f32, with_f32_out};
 use crate::errors::{self, invalid};
 use crate::shared::Shared;
 use pyo3::prelude::*;
@@ -11,7 +12,8 @@ use sjkvarn::cache::pool::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,
 };
-use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat};
+use sjkvarn::cuda::{DevicePool, DeviceSequence, ExternalStream};
+use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat, Journal};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -20,7 +22,7 @@ pub(crate) fn err(e: CoreError) -> PyErr {
 }
 
 /// A validated cache configuration, built once from the Python-side arguments and handed to
-/// either backend (`Cache`, `DeviceCache`).
+/// either backend.
 #[pyclass(frozen, module = "sjkvarn._core")]
 pub struct CacheSpec {
     pub(crate) config: CacheConfig,
@@ -192,18 +194,52 @@ pub(crate) fn memory_dict<'py>(
 
 /// One sequence: sink, staging ring and sealed records in a (shareable) pool. Safe to share
 /// between Python threads (see `shared`).
+/// Where a cache's sequence lives: host memory (the reference) or a CUDA device.
+enum Backend {
+    Cpu(Shared<Sequence>),
+    Device {
+        seq: Shared<DeviceSequence>,
+        ordinal: usize,
+    },
+}
+
+/// One sequence of the journaled cache on either backend; tensors by DLPack (host arrays for
+/// a CPU cache, CUDA tensors on its device for a device cache). Safe to share between Python
+/// threads (see `shared`).
 #[pyclass(frozen, module = "sjkvarn._core")]
 pub struct Cache {
-    pub(crate) seq: Shared<Sequence>,
+    backend: Backend,
     /// The sequence's configuration, readable without taking the lock.
     pub(crate) config: Arc<CacheConfig>,
+}
+
+/// Runs `$body` on the sequence `$s` whichever backend holds it (through the
+/// [`sjkvarn::Journal`] shell both implement), its error raised as the library's.
+macro_rules! on_journal {
+    ($self:expr, $py:expr, |$s:ident| $body:expr) => {
+        match &$self.backend {
+            Backend::Cpu(seq) => seq.with($py, |$s| $body)?.map_err(err),
+            Backend::Device { seq, .. } => seq.with($py, |$s| $body)?.map_err(cuda_err),
+        }
+    };
 }
 
 impl Cache {
     pub(crate) fn wrap(seq: Sequence) -> Self {
         let config = Arc::new(seq.config().clone());
         Self {
-            seq: Shared::new(seq),
+            backend: Backend::Cpu(Shared::new(seq)),
+            config,
+        }
+    }
+
+    fn wrap_device(seq: DeviceSequence, ordinal: usize) -> Self {
+        let config = Arc::new(seq.config().clone());
+        Self {
+            backend: Backend::Device {
+                seq: Shared::new(seq),
+                ordinal,
+            },
             config,
         }
     }
@@ -212,6 +248,31 @@ impl Cache {
         let layers = self.config.layers;
         if layer >= layers {
             return Err(err(CoreError::LayerOutOfRange { layer, layers }));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the sequence in host memory: the CPU sequence itself, or a host copy of a
+    /// device sequence (snapshots and states are the same bytes on both backends).
+    fn on_host<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Sequence) -> Result<R, CoreError> + Send,
+    ) -> PyResult<R> {
+        match &self.backend {
+            Backend::Cpu(seq) => seq.with(py, |s| f(s))?.map_err(err),
+            Backend::Device { seq, .. } => {
+                let host = seq.with(py, |s| Journal::to_host(s))?.map_err(cuda_err)?;
+                py.detach(|| f(&host)).map_err(err)
+            }
+        }
+    }
+
+    fn check_device(ordinal: usize, id: i32, what: &str) -> PyResult<()> {
+        if id as usize != ordinal {
+            return Err(invalid(format!(
+                "{what} is on cuda:{id}, this cache is on cuda:{ordinal}"
+            )));
         }
         Ok(())
     }
@@ -226,22 +287,44 @@ pub(crate) fn check_3d(shape: &[usize], what: &str, heads: usize, d: usize) -> P
     }
 }
 
+fn same_shape(k: &[usize], v: &[usize]) -> PyResult<()> {
+    if k != v {
+        return Err(invalid(format!("k and v shapes differ: {k:?} vs {v:?}")));
+    }
+    Ok(())
+}
+
+fn external(raw: Option<u64>) -> Option<ExternalStream> {
+    raw.map(ExternalStream)
+}
+
 #[pymethods]
 impl Cache {
-    /// An empty cache on the CPU with a pool sized for `pool_sequences` full sequences.
+    /// An empty cache with a pool sized for `pool_sequences` full sequences: on the CPU, or on
+    /// `cuda:ordinal` when `ordinal` is given.
     #[new]
-    #[pyo3(signature = (spec, pool_sequences=1))]
-    fn new(spec: &CacheSpec, pool_sequences: usize) -> PyResult<Self> {
-        let config = spec.config.clone();
-        let pool = Sequence::pool_for(&config, pool_sequences);
-        Ok(Self::wrap(
-            Sequence::new(Arc::new(config), pool).map_err(err)?,
-        ))
+    #[pyo3(signature = (spec, pool_sequences=1, ordinal=None))]
+    fn new(spec: &CacheSpec, pool_sequences: usize, ordinal: Option<usize>) -> PyResult<Self> {
+        let config = Arc::new(spec.config.clone());
+        match ordinal {
+            None => {
+                let pool = Sequence::pool_for(&config, pool_sequences);
+                Ok(Self::wrap(Sequence::new(config, pool).map_err(err)?))
+            }
+            Some(ordinal) => {
+                let pool =
+                    DevicePool::for_config(ordinal, &config, pool_sequences).map_err(cuda_err)?;
+                let seq = DeviceSequence::new(config, pool).map_err(cuda_err)?;
+                Ok(Self::wrap_device(seq, ordinal))
+            }
+        }
     }
 
-    /// Appends post-RoPE K and V `[tokens, kv_heads, head_dim]` to `layer` (already in the
-    /// Hadamard frame when `rotated`).
-    #[pyo3(signature = (layer, k, v, rotated=false))]
+    /// Appends post-RoPE K and V `[tokens, kv_heads, head_dim]` to `layer`: host arrays
+    /// (already in the Hadamard frame when `rotated`) on a CPU cache; float32 contiguous CUDA
+    /// tensors on a device cache, read after the work queued on `stream` (the caller's raw
+    /// CUDA stream).
+    #[pyo3(signature = (layer, k, v, rotated=false, stream=None))]
     fn append(
         &self,
         py: Python<'_>,
@@ -249,27 +332,47 @@ impl Cache {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
         rotated: bool,
+        stream: Option<u64>,
     ) -> PyResult<()> {
         self.check_layer(layer)?;
         let (h, d) = (self.config.kv_heads, self.config.head_dim);
-        let (kh, vh) = (read_f32(k, "k")?, read_f32(v, "v")?);
-        check_3d(&kh.shape, "k", h, d)?;
-        check_3d(&vh.shape, "v", h, d)?;
-        if kh.shape != vh.shape {
-            return Err(invalid(format!(
-                "k and v shapes differ: {:?} vs {:?}",
-                kh.shape, vh.shape
-            )));
+        match &self.backend {
+            Backend::Cpu(seq) => {
+                let (kh, vh) = (read_f32(k, "k")?, read_f32(v, "v")?);
+                check_3d(&kh.shape, "k", h, d)?;
+                check_3d(&vh.shape, "v", h, d)?;
+                same_shape(&kh.shape, &vh.shape)?;
+                let (kv, vv) = (&kh.values, &vh.values);
+                seq.with(py, |s| s.append_frame(layer, kv, vv, rotated))?
+                    .map_err(err)
+            }
+            Backend::Device { seq, ordinal } => {
+                if rotated {
+                    return Err(invalid("rotated appends are CPU-only for now"));
+                }
+                let (kt, vt) = (cuda_f32(k, "k")?, cuda_f32(v, "v")?);
+                Self::check_device(*ordinal, kt.device_id(), "k")?;
+                Self::check_device(*ordinal, vt.device_id(), "v")?;
+                let n = check_3d(kt.shape(), "k", h, d)?;
+                check_3d(vt.shape(), "v", h, d)?;
+                same_shape(kt.shape(), vt.shape())?;
+                let (kp, vp) = (kt.ptr(), vt.ptr());
+                seq.with(py, |s| {
+                    // SAFETY: kp/vp address n compact float32 rows on this device (checked
+                    // above); the capsules (kt, vt) keep them alive for this call, which reads
+                    // them before it returns (the append waits for its staging kernel's status).
+                    unsafe { s.append_raw(layer, kp, vp, n, external(stream)) }
+                })?
+                .map_err(cuda_err)
+            }
         }
-        let (kv, vv) = (&kh.values, &vh.values);
-        self.seq
-            .with(py, |s| s.append_frame(layer, kv, vv, rotated))?
-            .map_err(err)
     }
 
     /// Attention of `q` `[tokens, q_heads, head_dim]` (the newest `tokens` positions) into `out`
-    /// (float32, same shape), on at most `threads` threads.
-    #[pyo3(signature = (layer, q, out, scale=None, threads=None))]
+    /// (float32, same shape): host arrays on at most `threads` threads on a CPU cache, float32
+    /// contiguous CUDA tensors ordered after `stream` on a device cache.
+    #[pyo3(signature = (layer, q, out, scale=None, threads=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn attend_into(
         &self,
         py: Python<'_>,
@@ -278,72 +381,114 @@ impl Cache {
         out: &Bound<'_, PyAny>,
         scale: Option<f32>,
         threads: Option<usize>,
+        stream: Option<u64>,
     ) -> PyResult<()> {
         self.check_layer(layer)?;
-        let qh = read_f32(q, "q")?;
-        check_3d(&qh.shape, "q", self.config.q_heads, self.config.head_dim)?;
-        let qv = &qh.values;
-        let result = self
-            .seq
-            .with(py, |s| attend_with_threads(s, layer, qv, scale, threads))?
-            .map_err(err)?;
-        with_f32_out(out, "out", |o, shape| {
-            if shape != qh.shape.as_slice() {
-                return Err(invalid(format!(
-                    "out has shape {shape:?}, expected {:?}",
-                    qh.shape
-                )));
+        let (qh_count, d) = (self.config.q_heads, self.config.head_dim);
+        match &self.backend {
+            Backend::Cpu(seq) => {
+                let qh = read_f32(q, "q")?;
+                check_3d(&qh.shape, "q", qh_count, d)?;
+                let qv = &qh.values;
+                let result = seq
+                    .with(py, |s| attend_with_threads(s, layer, qv, scale, threads))?
+                    .map_err(err)?;
+                with_f32_out(out, "out", |o, shape| {
+                    if shape != qh.shape.as_slice() {
+                        return Err(invalid(format!(
+                            "out has shape {shape:?}, expected {:?}",
+                            qh.shape
+                        )));
+                    }
+                    o.copy_from_slice(&result);
+                    Ok(())
+                })
             }
-            o.copy_from_slice(&result);
-            Ok(())
-        })
+            Backend::Device { seq, ordinal } => {
+                if threads.is_some() {
+                    return Err(invalid(
+                        "threads applies to CPU caches; this cache is on CUDA",
+                    ));
+                }
+                let (qt, ot) = (cuda_f32(q, "q")?, cuda_f32(out, "out")?);
+                Self::check_device(*ordinal, qt.device_id(), "q")?;
+                Self::check_device(*ordinal, ot.device_id(), "out")?;
+                let n = check_3d(qt.shape(), "q", qh_count, d)?;
+                if ot.shape() != qt.shape() {
+                    return Err(invalid(format!(
+                        "out has shape {:?}, expected {:?}",
+                        ot.shape(),
+                        qt.shape()
+                    )));
+                }
+                let (qp, op) = (qt.ptr(), ot.ptr());
+                seq.with(py, |s| {
+                    // SAFETY: both address n x q_heads x head_dim float32 on this device, kept
+                    // alive by the capsules (qt, ot); the caller's stream waits for the queued
+                    // kernels before it may reuse or read them.
+                    unsafe { s.attend_raw(layer, qp, n, op, scale, external(stream)) }
+                })?
+                .map_err(cuda_err)
+            }
+        }
     }
 
     /// Keeps the first `n` tokens; returns the position to re-append from.
     fn truncate(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
-        self.seq.with(py, |s| s.truncate(n))?.map_err(err)
+        on_journal!(self, py, |s| Journal::truncate(s, n))
     }
 
     /// The idle step: seals every layer back to `min_tail` unsealed tokens, never the last
     /// `max(keep_recent, min_tail)` positions.
     #[pyo3(signature = (keep_recent=0))]
     fn seal_idle(&self, py: Python<'_>, keep_recent: usize) -> PyResult<()> {
-        self.seq
-            .with(py, |s| s.seal_idle(keep_recent))?
-            .map_err(err)
+        on_journal!(self, py, |s| Journal::seal_idle(s, keep_recent))
     }
 
-    /// A child cache sharing this one's sealed records and pool.
+    /// A child cache sharing this one's sealed records and pool, on the same backend.
     fn fork(&self, py: Python<'_>) -> PyResult<Cache> {
-        Ok(Cache::wrap(self.seq.with(py, |s| s.fork())?))
+        Ok(match &self.backend {
+            Backend::Cpu(seq) => Cache::wrap(seq.with(py, |s| s.fork())?),
+            Backend::Device { seq, ordinal } => {
+                Cache::wrap_device(seq.with(py, |s| s.fork())?.map_err(cuda_err)?, *ordinal)
+            }
+        })
     }
 
     /// Tokens held by `layer`.
     fn length(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
-        self.seq.with(py, |s| s.len(layer))?.map_err(err)
+        on_journal!(self, py, |s| Journal::len(s, layer))
     }
 
     /// `((sink_start, sink_end), (body_start, body_end), (ring_start, ring_end))` of `layer`.
     fn regions(&self, py: Python<'_>, layer: usize) -> PyResult<Vec<(usize, usize)>> {
-        let regions = self.seq.with(py, |s| s.regions(layer))?.map_err(err)?;
+        let regions = on_journal!(self, py, |s| Journal::regions(s, layer))?;
         Ok(regions.iter().map(|r| (r.start, r.end)).collect())
     }
 
     /// Tokens the next append to `layer` can take without a seal inside it.
     fn chunk_limit(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
-        self.seq.with(py, |s| s.chunk_limit(layer))?.map_err(err)
+        on_journal!(self, py, |s| Journal::chunk_limit(s, layer))
     }
 
     /// Allocated bytes per region and occupied bits per value.
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (m, stats) = self.seq.with(py, |s| (s.memory(), s.pool().stats()))?;
+        let (m, stats) = match &self.backend {
+            Backend::Cpu(seq) => seq.with(py, |s| (Journal::memory(s), s.pool_stats()))?,
+            Backend::Device { seq, .. } => {
+                seq.with(py, |s| (Journal::memory(s), s.pool_stats()))?
+            }
+        };
         memory_dict(py, &m, &stats)
     }
 
-    /// Per layer, what `staging="auto"` measured and picked (`None` for a fixed staging or a
-    /// layer nothing was appended to yet).
+    /// Per layer, what `staging="auto"` measured and picked (`None` for a fixed staging, a
+    /// layer nothing was appended to yet, or a device cache, whose ring is always `tq6_0`).
     fn staging_report<'py>(&self, py: Python<'py>) -> PyResult<Vec<Option<Bound<'py, PyDict>>>> {
-        let picks = self.seq.with(py, |s| {
+        let Backend::Cpu(seq) = &self.backend else {
+            return Ok(vec![None; self.config.layers]);
+        };
+        let picks = seq.with(py, |s| {
             (0..s.config().layers)
                 .map(|l| s.staging_pick(l).map(|p| p.cloned()))
                 .collect::<Result<Vec<_>, _>>()
@@ -374,19 +519,19 @@ impl Cache {
             .collect()
     }
 
-    /// The snapshot as bytes.
+    /// The snapshot as bytes (the same on both backends).
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.seq.with(py, |s| s.snapshot_bytes())?.map_err(err)?;
+        let bytes = self.on_host(py, |s| s.snapshot_bytes())?;
         Ok(PyBytes::new(py, &bytes))
     }
 
     /// The sequence as an `SJKVSEQ` v1 state stream (the reference codec's layout).
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.seq.with(py, |s| s.state_bytes())?.map_err(err)?;
+        let bytes = self.on_host(py, |s| s.state_bytes())?;
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// Restores an `SJKVSEQ` stream into a new cache of `spec`.
+    /// Restores an `SJKVSEQ` stream into a new CPU cache of `spec`.
     #[staticmethod]
     #[pyo3(signature = (spec, data, pool_sequences=1))]
     fn from_state(spec: &CacheSpec, data: &[u8], pool_sequences: usize) -> PyResult<Cache> {
@@ -401,12 +546,12 @@ impl Cache {
         config_dict(py, &self.config)
     }
 
-    /// Writes a snapshot atomically.
+    /// Writes a snapshot atomically (the same bytes on both backends).
     fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        self.seq.with(py, |s| s.save(&path))?.map_err(err)
+        self.on_host(py, |s| s.save(&path))
     }
 
-    /// Restores a snapshot (a new pool sized for `pool_sequences` sequences).
+    /// Restores a snapshot into a CPU cache (a new pool sized for `pool_sequences` sequences).
     #[staticmethod]
     #[pyo3(signature = (path, pool_sequences=1))]
     fn load(path: PathBuf, pool_sequences: usize) -> PyResult<Cache> {
@@ -414,7 +559,7 @@ impl Cache {
         Self::from_snapshot(&bytes, pool_sequences)
     }
 
-    /// Restores from snapshot bytes.
+    /// Restores from snapshot bytes into a CPU cache.
     #[staticmethod]
     #[pyo3(signature = (data, pool_sequences=1))]
     fn from_snapshot(data: &[u8], pool_sequences: usize) -> PyResult<Cache> {
@@ -425,10 +570,52 @@ impl Cache {
         Ok(Cache::wrap(seq))
     }
 
+    /// A copy holding the same bytes on the CPU (`ordinal=None`) or on `cuda:ordinal`, with a
+    /// pool of its own sized for `pool_sequences` sequences.
+    #[pyo3(signature = (ordinal=None, pool_sequences=1))]
+    fn copy_to(
+        &self,
+        py: Python<'_>,
+        ordinal: Option<usize>,
+        pool_sequences: usize,
+    ) -> PyResult<Cache> {
+        let config = self.config.clone();
+        match ordinal {
+            None => {
+                let bytes = self.on_host(py, |s| s.snapshot_bytes())?;
+                Self::from_snapshot(&bytes, pool_sequences)
+            }
+            Some(ordinal) => {
+                let pool =
+                    DevicePool::for_config(ordinal, &config, pool_sequences).map_err(cuda_err)?;
+                let seq = match &self.backend {
+                    Backend::Cpu(seq) => seq
+                        .with(py, |h| DeviceSequence::from_host(h, pool))?
+                        .map_err(cuda_err)?,
+                    Backend::Device { seq, .. } => {
+                        let host = seq.with(py, |s| Journal::to_host(s))?.map_err(cuda_err)?;
+                        py.detach(|| DeviceSequence::from_host(&host, pool))
+                            .map_err(cuda_err)?
+                    }
+                };
+                Ok(Self::wrap_device(seq, ordinal))
+            }
+        }
+    }
+
     /// `(layers, q_heads, kv_heads, head_dim)`.
     #[getter]
     fn geometry(&self) -> (usize, usize, usize, usize) {
         let c = &self.config;
         (c.layers, c.q_heads, c.kv_heads, c.head_dim)
+    }
+
+    /// The CUDA device ordinal of a device cache, `None` on the CPU.
+    #[getter]
+    fn ordinal(&self) -> Option<usize> {
+        match &self.backend {
+            Backend::Cpu(_) => None,
+            Backend::Device { ordinal, .. } => Some(*ordinal),
+        }
     }
 }

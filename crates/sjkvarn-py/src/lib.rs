@@ -312,7 +312,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(journal_presets, m)?)?;
     errors::register(m)?;
     m.add_class::<cache::Cache>()?;
-    m.add_class::<cuda::DeviceCache>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::compile_kernels, m)?)?;
     m.add("GROUP", GROUP)?;

@@ -152,7 +152,7 @@ fn check_data(live: &Live, cfg: &CacheConfig, rng: &mut SplitMix64) {
         // Body: one random sealed group decodes close to its content.
         if img.sealed > 0 {
             let g = rng.next_u64() as usize % img.sealed;
-            let codec = cfg.body_codec(layer);
+            let codec = cfg.body_codec(layer).expect("a validated configuration");
             let rb = codec.record_bytes();
             let h = rng.next_u64() as usize % KV;
             let rec = &img.records[g * cfg.slot_bytes() + h * rb..][..rb];

@@ -56,6 +56,7 @@
 
 pub mod atomic_file;
 pub mod attention;
+pub mod backend;
 pub mod cache;
 pub mod codec;
 #[cfg(feature = "cuda")]
@@ -67,7 +68,7 @@ pub mod journal;
 pub mod kernel_abi;
 mod parallel;
 pub mod rng;
-pub mod simd;
+pub(crate) mod simd;
 
 pub use codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
 pub use codec::extension::body::{BodySpec, GROUP};
@@ -77,6 +78,7 @@ pub use error::{CodecError, Result};
 // What a native server needs, at the crate root: a configuration, sequences on a shared record
 // pool, attention over them, and the errors.
 pub use attention::{attend, attend_with_threads};
+pub use backend::Journal;
 pub use cache::{
     CacheConfig, CacheError, CacheResult, JournalPreset, LayerCoding, MemoryReport, RecordPool,
     Sequence, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,

@@ -618,7 +618,7 @@ fn sealed_records_attend_as_their_decoded_rows() {
         trellis(3, 2),
     ] {
         let cfg = small_config(Staging::F16, coding);
-        let codec = cfg.body_codec(0);
+        let codec = cfg.body_codec(0).unwrap();
         let (rb, kvh) = (codec.record_bytes(), 2);
         let mut seq = new_seq(cfg);
         let mut rng = SplitMix64::new(21);

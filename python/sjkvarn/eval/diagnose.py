@@ -53,6 +53,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "SJ default (q8_0, 2048/3072, centred keys)": dict(min_tail=2048, max_tail=3072),
 }
 
+#: The configurations at the tails the ``small`` preset scales to a 7,936-token history
+#: (``--set small``; SmolLM2): the shipped journal's staging with a 992..1,984-token ring,
+#: KVarN with a 496-token exact tail, and the ring's K and V each exact or 8-bit.
+SMALL_RING = dict(min_tail=992, max_tail=1984)
+SMALL_CONFIGS: dict[str, dict[str, Any]] = {
+    "KVarN 4/4 tail 0": dict(FAITHFUL, min_tail=0, max_tail=128),
+    "KVarN 4/4 tail 496": dict(FAITHFUL, min_tail=496, max_tail=624),
+    "SJ default 992/1984": dict(SMALL_RING),
+    "SJ default, keys as appended": dict(SMALL_RING, centre_keys=False),
+    "SJ ring f16": dict(SMALL_RING, staging="f16"),
+    "SJ ring f16, faithful body": dict(SMALL_RING, staging="f16", passes=8, mode="best"),
+    "SJ ring K f16, V q8_0": dict(SMALL_RING, staging="f16/q8_0"),
+    "SJ ring K q8_0, V f16": dict(SMALL_RING, staging="q8_0/f16"),
+}
+CONFIG_SETS = {"seed": CONFIGS, "small": SMALL_CONFIGS}
+
 
 @dataclass
 class Captured:
@@ -257,7 +273,7 @@ def summarize(report: dict[str, Any], top: float = 0.05) -> str:
     replays = {n: h for n, h in hist.items() if "replay" in h}
     if replays:
         arm = next(iter(replays.values()))["replay"]["arm"]
-        default = next(c for c in configs if "seed default" in c)
+        default = next(c for c in configs if "seed default" in c or "SJ default" in c)
         lines += [
             "",
             f"Replay of `{arm}`: at the {top:.0%} of scored positions with the largest KL "
@@ -303,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", action="append", default=None, help="history file (repeatable)")
     ap.add_argument("--history-tokens", type=int, default=16640)
     ap.add_argument("--scored-tokens", type=int, default=256)
+    ap.add_argument(
+        "--set",
+        choices=sorted(CONFIG_SETS),
+        default="seed",
+        help="configurations at the seed's tails, or the small preset's (SmolLM2 at 7,936)",
+    )
     ap.add_argument("--configs", nargs="+", default=None, help="subset of config names")
     ap.add_argument(
         "--replay",
@@ -316,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(json.loads(Path(args.out).read_text())), end="")
         return 0
     hist = [histories.from_file(p) for p in args.text] if args.text else histories.seed_scale()
-    configs = {k: v for k, v in CONFIGS.items() if not args.configs or k in args.configs}
+    chosen = CONFIG_SETS[args.set]
+    configs = {k: v for k, v in chosen.items() if not args.configs or k in args.configs}
     net, tok = models.load(args.model)
     settings = evaluation.EvalSettings(
         history_tokens=args.history_tokens, scored_tokens=args.scored_tokens, preset="seed"

@@ -812,7 +812,7 @@ fn attend_at(
     }
     let gs = cfg.group_size();
     let base = lj.len - n;
-    let codec = cfg.body_codec(layer);
+    let codec = cfg.body_codec(layer)?;
     let r = codec.half_width();
 
     let job = Job {

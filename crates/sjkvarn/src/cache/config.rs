@@ -397,14 +397,21 @@ impl CacheConfig {
             .validate()
             .map_err(|e| CacheError::InvalidConfig(e.to_string()))?;
         for i in 0..self.layers {
-            self.body_codec_checked(i)
-                .map_err(|e| CacheError::InvalidConfig(format!("layer {i}: {e}")))?;
+            self.body_codec(i)?;
         }
         Ok(())
     }
 
-    fn body_codec_checked(&self, layer: usize) -> crate::Result<BodyCodec> {
-        let lc = &self.layer_coding[layer];
+    /// The record codec of `layer`; a layer this configuration does not have, or a coding the
+    /// codec cannot write (refused by `validate` too), is an `InvalidConfig` error.
+    pub fn body_codec(&self, layer: usize) -> CacheResult<BodyCodec> {
+        let lc = self
+            .layer_coding
+            .get(layer)
+            .ok_or(CacheError::LayerOutOfRange {
+                layer,
+                layers: self.layer_coding.len(),
+            })?;
         BodyCodec::for_layer(
             self.head_dim,
             lc.k_bits,
@@ -413,12 +420,13 @@ impl CacheConfig {
             lc.v_coding,
             self.balance,
         )
+        .map_err(|e| CacheError::InvalidConfig(format!("layer {layer}: {e}")))
     }
 
-    /// The record codec of `layer` (call after `validate`).
-    pub fn body_codec(&self, layer: usize) -> BodyCodec {
-        self.body_codec_checked(layer)
-            .expect("validated configuration")
+    /// Bytes of one KV head's record of `layer` (0 for a configuration `validate` refuses, so
+    /// sizing an invalid configuration cannot fail before validation reports it).
+    pub fn record_bytes(&self, layer: usize) -> usize {
+        self.body_codec(layer).map_or(0, |c| c.record_bytes())
     }
 
     /// The journal rules of this configuration (shared by every backend).
@@ -446,7 +454,7 @@ impl CacheConfig {
             && !self.centre_keys
             && self.head_dim.is_multiple_of(128)
             && self.has_reference_staging()
-            && (0..self.layers).all(|l| self.body_codec(l).is_reference())
+            && (0..self.layers).all(|l| self.body_codec(l).is_ok_and(|c| c.is_reference()))
     }
 
     /// Whether the ring uses one reference staging type for keys and values (`tq6_0` or
@@ -486,7 +494,7 @@ impl CacheConfig {
     /// Bytes of one pool slot: all KV heads' records of one layer and group (largest layer).
     pub fn slot_bytes(&self) -> usize {
         (0..self.layers)
-            .map(|l| self.kv_heads * self.body_codec(l).record_bytes())
+            .map(|l| self.kv_heads * self.record_bytes(l))
             .max()
             .unwrap_or(0)
     }
@@ -494,5 +502,34 @@ impl CacheConfig {
     /// Pool slots one sequence of `max_tokens` can fill.
     pub fn slots_per_sequence(&self) -> usize {
         self.layers * self.max_tokens.saturating_sub(self.sink).div_ceil(GROUP)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A coding the record codec cannot write, or a layer the configuration does not have, is a
+    /// typed error from `body_codec`; sizing such a configuration does not panic, and
+    /// `validate` refuses it by layer.
+    #[test]
+    fn body_codec_errors_instead_of_panicking() {
+        let mut c = CacheConfig::recommended(2, 4, 2, 64, LayerCoding::scalar(4, 4), 1024);
+        assert!(c.body_codec(1).is_ok());
+        assert!(matches!(
+            c.body_codec(2),
+            Err(CacheError::LayerOutOfRange {
+                layer: 2,
+                layers: 2
+            })
+        ));
+        c.layer_coding[1].k_bits = 1;
+        assert!(
+            matches!(c.body_codec(1), Err(CacheError::InvalidConfig(m)) if m.contains("layer 1"))
+        );
+        assert_eq!(c.record_bytes(1), 0);
+        assert!(c.slot_bytes() > 0, "layer 0 still sizes the slot");
+        assert!(!c.is_reference());
+        assert!(matches!(c.validate(), Err(CacheError::InvalidConfig(m)) if m.contains("layer 1")));
     }
 }

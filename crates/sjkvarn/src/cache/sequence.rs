@@ -670,7 +670,7 @@ impl Sequence {
         rows: RingRows,
     ) -> CacheResult<Vec<Vec<u8>>> {
         let cfg = &self.config;
-        let codec = cfg.body_codec(layer);
+        let codec = cfg.body_codec(layer)?;
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let rb = codec.record_bytes();
         let lj = &self.layers[layer];
@@ -852,7 +852,7 @@ impl Sequence {
         let total: usize = images.iter().map(|img| img.sealed).sum();
         let mut slots = seq.pool.reserve(total)?.into_iter();
         for (i, img) in images.iter().enumerate() {
-            let rb = config.kv_heads * config.body_codec(i).record_bytes();
+            let rb = config.kv_heads * config.record_bytes(i);
             let l = &mut seq.layers[i];
             l.len = img.len;
             l.sealed = img.sealed;
@@ -910,11 +910,12 @@ pub fn memory_report(
     let (mut bits, mut values) = (0.0f64, 0.0f64);
     let (mut sealed_tokens, mut ring_tokens, mut sink_tokens) = (0, 0, 0);
     for (i, &(len, sealed, ring_bits)) in layers.iter().enumerate() {
-        let spec = cfg.body_codec(i);
+        // Sequences exist for validated configurations only, whose layers all have a codec.
+        let body_bits = cfg.body_codec(i).map_or(0.0, |c| c.bits_per_value());
         let sink = len.min(cfg.sink);
         let body = sealed * GROUP;
         let ring = len - sink - body;
-        bits += sink as f64 * 16.0 + body as f64 * spec.bits_per_value() + ring as f64 * ring_bits;
+        bits += sink as f64 * 16.0 + body as f64 * body_bits + ring as f64 * ring_bits;
         values += len as f64;
         sealed_tokens += body;
         ring_tokens += ring;

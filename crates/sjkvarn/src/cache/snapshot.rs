@@ -268,7 +268,7 @@ fn read_config(r: &mut Reader, version: u32) -> CacheResult<CacheConfig> {
 impl CacheConfig {
     /// The `SJKVSEQ` identity of the whole configuration (a fixed staging), the size of one
     /// (largest) record and of one tail row (K and V).
-    pub fn state_identity(&self) -> (StateIdentity, usize, usize) {
+    pub fn state_identity(&self) -> CacheResult<(StateIdentity, usize, usize)> {
         let all: Vec<usize> = (0..self.layers).collect();
         let rows = RingRows::new(self.k_staging, self.v_staging, self.head_dim);
         self.state_identity_of(&all, rows)
@@ -277,9 +277,13 @@ impl CacheConfig {
     /// The identity of a stream holding `layers` whose rings are stored as `rows` (reference
     /// codes when those layers share one reference coding and one reference staging type,
     /// extension codes otherwise).
-    fn state_identity_of(&self, layers: &[usize], rows: RingRows) -> (StateIdentity, usize, usize) {
+    fn state_identity_of(
+        &self,
+        layers: &[usize],
+        rows: RingRows,
+    ) -> CacheResult<(StateIdentity, usize, usize)> {
         let lc = self.layer_coding[layers[0]];
-        let codec = self.body_codec(layers[0]);
+        let codec = self.body_codec(layers[0])?;
         let uniform = layers.iter().all(|&l| self.layer_coding[l] == lc);
         let reference = uniform
             && self.min_tail.is_multiple_of(GROUP)
@@ -303,7 +307,7 @@ impl CacheConfig {
         };
         let record_bytes = layers
             .iter()
-            .map(|&l| self.body_codec(l).record_bytes())
+            .map(|&l| self.record_bytes(l))
             .max()
             .unwrap_or(0);
         let id = StateIdentity {
@@ -335,7 +339,7 @@ impl CacheConfig {
                 journal::state::ROTATION_HADAMARD
             },
         };
-        (id, record_bytes, rows.entry_bytes())
+        Ok((id, record_bytes, rows.entry_bytes()))
     }
 }
 
@@ -367,7 +371,7 @@ impl Sequence {
                     .into(),
             ));
         }
-        let (identity, record_bytes, stage) = cfg.state_identity_of(layers, rows);
+        let (identity, record_bytes, stage) = cfg.state_identity_of(layers, rows)?;
         let header = StateHeader {
             identity,
             n: first.len as u32,
@@ -377,10 +381,7 @@ impl Sequence {
         };
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
         let ring_rows = cfg.ring_rows();
-        let layer_record_bytes: Vec<usize> = layers
-            .iter()
-            .map(|&l| cfg.body_codec(l).record_bytes())
-            .collect();
+        let layer_record_bytes: Vec<usize> = layers.iter().map(|&l| cfg.record_bytes(l)).collect();
         let mut fill = |item: StateItem, dst: &mut [u8]| match item {
             StateItem::SinkRow { layer, pos, head } => {
                 let l = &self.layers[layers[layer as usize]];
@@ -450,7 +451,7 @@ impl Sequence {
                 config.ring_bytes(rows),
             )?);
         }
-        let (identity, record_bytes, stage) = config.state_identity_of(layers, rows);
+        let (identity, record_bytes, stage) = config.state_identity_of(layers, rows)?;
         journal::check_identity(&info, &identity, record_bytes, stage)?;
         let groups_cap = config
             .max_tokens
@@ -464,10 +465,8 @@ impl Sequence {
         let hd = info.header;
         let (h, d) = (config.kv_heads, config.head_dim);
         let ring_rows = config.ring_rows();
-        let layer_record_bytes: Vec<usize> = layers
-            .iter()
-            .map(|&l| config.body_codec(l).record_bytes())
-            .collect();
+        let layer_record_bytes: Vec<usize> =
+            layers.iter().map(|&l| config.record_bytes(l)).collect();
         let n_rec = ((hd.b - hd.identity.sink) / hd.identity.group) as usize;
         let slot_bytes = config.slot_bytes();
         let mut slots: Vec<Vec<u8>> = vec![vec![0u8; slot_bytes]; n_rec * layers.len()];
@@ -508,7 +507,7 @@ impl Sequence {
         let ids: Vec<SlotId> = self.pool.reserve(slots.len())?;
         for (i, (bytes, id)) in slots.into_iter().zip(ids).enumerate() {
             let layer = layers[i / n_rec.max(1)];
-            let rb = config.kv_heads * config.body_codec(layer).record_bytes();
+            let rb = config.kv_heads * config.record_bytes(layer);
             self.pool.fill(id, Arc::from(&bytes[..rb]));
             self.layers[layer].blocks.push(id);
         }

@@ -223,7 +223,7 @@ impl DeviceSequence {
         let reference_codec = |l: usize| {
             matches!(
                 config.body_codec(l),
-                crate::codec::BodyCodec::Reference { .. }
+                Ok(crate::codec::BodyCodec::Reference { .. })
             )
         };
         if !(0..config.layers).all(reference_codec) {
