@@ -12,6 +12,38 @@
 //! row's output does not depend on how many other rows share the call. Chunked prefill
 //! therefore equals token-by-token decoding bit for bit when chunks do not straddle a seal.
 
+/// `match $m` over the query-row counts a kernel is instantiated for: `$call!(n)` for each
+/// listed count, `$call!($last)` for any other (the kernels' callers never pass more).
+macro_rules! by_rows {
+    ($m:expr, $call:ident, [$($n:literal),*], $last:literal) => {
+        match $m {
+            $($n => $call!($n),)*
+            _ => $call!($last),
+        }
+    };
+}
+
+/// Whether a ring value sum's operands fit: `m` query pairs (at most [`MAX_ROWS`]) whose
+/// weights (`weights = (w, ldw)`) cover `n` rows, each row at least `row_end` bytes long,
+/// `d` values (a multiple of `block`) per output row, outputs `(len, ldo)`.
+#[allow(clippy::too_many_arguments)]
+fn value_operands_fit(
+    d: usize,
+    block: usize,
+    m: usize,
+    (w, ldw): (&[f32], usize),
+    rows: &[&[u8]],
+    row_end: usize,
+    n: usize,
+    (out_len, ldo): (usize, usize),
+) -> bool {
+    m <= MAX_ROWS
+        && d.is_multiple_of(block)
+        && n <= rows.len()
+        && rows[..n].iter().all(|r| r.len() >= row_end)
+        && (m == 0 || (w.len() >= (m - 1) * ldw + n && out_len >= (m - 1) * ldo + d))
+}
+
 mod fragment_dots;
 mod online_softmax;
 mod ring_q8;

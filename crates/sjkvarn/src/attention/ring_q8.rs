@@ -9,7 +9,7 @@
 //! reads the 1-byte codes once.
 
 use super::ring_tq6::RingKernel;
-use super::tile_gemm::MAX_ROWS;
+use super::value_operands_fit;
 use crate::codec::comparators::ggml::{GgmlFormat, QK};
 use crate::codec::fp16::f16_to_f32;
 
@@ -40,12 +40,9 @@ pub(crate) fn q8_value_sums(
     carry: bool,
 ) {
     let bytes = row_bytes(d);
+    let (weights, outputs) = ((w, ldw), (out.len(), ldo));
     assert!(
-        m <= MAX_ROWS
-            && d.is_multiple_of(QK)
-            && n <= rows.len()
-            && rows[..n].iter().all(|r| r.len() >= offset + bytes)
-            && (m == 0 || (w.len() >= (m - 1) * ldw + n && out.len() >= (m - 1) * ldo + d)),
+        value_operands_fit(d, QK, m, weights, rows, offset + bytes, n, outputs),
         "q8_0 ring value rows"
     );
     if m == 0 {
@@ -170,16 +167,7 @@ mod avx512 {
                 sums_m::<$m>(d, w, ldw, rows, offset, n, out, ldo, carry)
             };
         }
-        match m {
-            1 => go!(1),
-            2 => go!(2),
-            3 => go!(3),
-            4 => go!(4),
-            5 => go!(5),
-            6 => go!(6),
-            7 => go!(7),
-            _ => go!(8),
-        }
+        by_rows!(m, go, [1, 2, 3, 4, 5, 6, 7], 8)
     }
 }
 

@@ -314,12 +314,9 @@ pub(crate) fn value_sums(
         tq6::BLOCK_VALUES
     };
     let row_bytes = tq6::row_bytes(d);
+    let (weights, outputs) = ((w, ldw), (out.len(), ldo));
     assert!(
-        m <= MAX_ROWS
-            && d.is_multiple_of(values)
-            && n <= rows.len()
-            && rows[..n].iter().all(|r| r.len() >= offset + row_bytes)
-            && (m == 0 || (w.len() >= (m - 1) * ldw + n && out.len() >= (m - 1) * ldo + d)),
+        super::value_operands_fit(d, values, m, weights, rows, offset + row_bytes, n, outputs),
         "ring value rows"
     );
     if m == 0 {
@@ -666,16 +663,7 @@ mod avx512 {
                         )
                     };
                 }
-                match m {
-                    1 => go!(1),
-                    2 => go!(2),
-                    3 => go!(3),
-                    4 => go!(4),
-                    5 => go!(5),
-                    6 => go!(6),
-                    7 => go!(7),
-                    _ => go!(8),
-                }
+                by_rows!(m, go, [1, 2, 3, 4, 5, 6, 7], 8)
             }
         };
     }
@@ -705,16 +693,12 @@ mod avx512 {
                 out: &mut [f32],
                 ldo: usize,
             ) {
-                match q.m {
-                    1 => key_scores_m::<1, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    2 => key_scores_m::<2, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    3 => key_scores_m::<3, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    4 => key_scores_m::<4, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    5 => key_scores_m::<5, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    6 => key_scores_m::<6, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    7 => key_scores_m::<7, $vnni, $vbmi>(q, rows, n, out, ldo),
-                    _ => key_scores_m::<8, $vnni, $vbmi>(q, rows, n, out, ldo),
+                macro_rules! go {
+                    ($m:literal) => {
+                        key_scores_m::<$m, $vnni, $vbmi>(q, rows, n, out, ldo)
+                    };
                 }
+                by_rows!(q.m, go, [1, 2, 3, 4, 5, 6, 7], 8)
             }
         };
     }

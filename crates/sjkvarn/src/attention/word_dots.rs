@@ -175,14 +175,7 @@ pub(crate) fn word_products(
                         unsafe { vnni::key_sums::<$m>(n, r, words, o, out_stride, ahead) }
                     };
                 }
-                match m {
-                    1 => call!(1),
-                    2 => call!(2),
-                    3 => call!(3),
-                    4 => call!(4),
-                    5 => call!(5),
-                    _ => call!(6),
-                }
+                by_rows!(m, call, [1, 2, 3, 4, 5], 6);
                 first += m;
             }
         }
