@@ -23,12 +23,14 @@ def test_the_presets_are_the_documented_ones() -> None:
         "max_tail": 3072,
         "staging": "q8_0",
         "centre_keys": True,
+        "exact_recent": 0,
     }
     assert REFERENCE_JOURNAL == {
         "min_tail": 4096,
         "max_tail": 8192,
         "staging": "tq6_0",
         "centre_keys": False,
+        "exact_recent": 0,
     }
     journal = memory.Journal()
     assert (journal.min_tail, journal.max_tail, journal.staging) == (2048, 3072, "q8_0")
@@ -37,7 +39,9 @@ def test_the_presets_are_the_documented_ones() -> None:
 
 def test_a_cpu_cache_resolves_unset_fields_to_the_default_journal() -> None:
     cfg = Config(layers=1, kv_heads=2, head_dim=128)
-    assert (cfg.min_tail, cfg.max_tail, cfg.staging, cfg.centre_keys) == (None,) * 4
+    assert (cfg.min_tail, cfg.max_tail, cfg.staging, cfg.centre_keys, cfg.exact_recent) == (
+        None,
+    ) * 5
     cache = Cache(cfg)
     got = {k: getattr(cache.config, k) for k in DEFAULT_JOURNAL}
     assert got == DEFAULT_JOURNAL

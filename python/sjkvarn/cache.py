@@ -122,8 +122,8 @@ def _parse_device(device: str) -> tuple[str, int]:
 
 # The journal presets live in the Rust core (``DEFAULT_JOURNAL``, ``REFERENCE_JOURNAL``).
 _PRESETS: dict[str, dict[str, Any]] = _core.journal_presets()
-#: ``min_tail``, ``max_tail``, ``staging`` and ``centre_keys`` of ``Config()`` and of
-#: ``Config.reference()``.
+#: ``min_tail``, ``max_tail``, ``staging``, ``centre_keys`` and ``exact_recent`` of
+#: ``Config()`` and of ``Config.reference()``.
 DEFAULT_JOURNAL: dict[str, Any] = dict(_PRESETS["default"])
 REFERENCE_JOURNAL: dict[str, Any] = dict(_PRESETS["reference"])
 _DEFAULT, _REFERENCE = DEFAULT_JOURNAL, REFERENCE_JOURNAL
@@ -154,6 +154,13 @@ class Config:
     states carry it as an extension rotation id).
     Staging types are not part of sealed records.
 
+    ``exact_recent`` (extension, CPU only; ``None`` takes the device journal's, 0 = off): each
+    query reads the ``exact_recent`` positions up to its own from fp16 copies of their rows
+    instead of the ring's codes. The newest positions carry much of the attention mass; on
+    models that cache every layer with 64-wide heads their 8-bit keys cost more there than
+    anywhere else (``docs/results/quality.md``). A decoding cache holds ``exact_recent`` copies
+    per layer (16 bits per value, counted in ``memory()``); states carry them after the stream.
+
     ``min_tail``/``max_tail``/``max_chunk``/``flush_chunk`` are the reference's
     ``tail``/``tail_max``/``n_ubatch``/``flush_chunk`` (``max_tail = 0``: fixed tail); ``sink``
     is the number of leading positions kept exact (a non-zero multiple of 64, 128 by default;
@@ -183,6 +190,7 @@ class Config:
     staging: str | None = None
     staging_budget: float | None = None
     centre_keys: bool | None = None
+    exact_recent: int | None = None
     sink: int = 128
     sink_type: str = "f16"
     device: str = "cpu"
@@ -268,6 +276,7 @@ def _spec_of(config: Config) -> Any:
         count("sink", config.sink),
         None if budget is None else args.real("staging_budget", budget),
         bool(config.centre_keys),
+        count("exact_recent", config.exact_recent),
     )
 
 
@@ -298,6 +307,7 @@ def _config_from_core(d: dict[str, Any], pool_sequences: int) -> Config:
         staging=d["staging"],
         staging_budget=d["staging_budget"],
         centre_keys=d["centre_keys"],
+        exact_recent=d["exact_recent"],
         sink=d["sink"],
         sink_type=d["sink_type"],
         pool_sequences=pool_sequences,

@@ -74,18 +74,21 @@ def staging_row_bytes(head_dim: int, staging: str = "tq6_0") -> int:
 
 @dataclass(frozen=True)
 class Journal:
-    """Tails and ring staging (``"K/V"`` or one type for both); the defaults are ``Config()``'s
-    journal on the CPU, :meth:`reference` the reference codec's."""
+    """Tails, ring staging (``"K/V"`` or one type for both) and the exact window; the defaults
+    are ``Config()``'s journal on the CPU, :meth:`reference` the reference codec's."""
 
     min_tail: int = DEFAULT_JOURNAL["min_tail"]
     max_tail: int = DEFAULT_JOURNAL["max_tail"]
     max_chunk: int = 512
     staging: str = DEFAULT_JOURNAL["staging"]
+    exact_recent: int = DEFAULT_JOURNAL["exact_recent"]
 
     @classmethod
     def reference(cls, **fields: int) -> Journal:
         sizes = {
-            k: v for k, v in REFERENCE_JOURNAL.items() if k in ("min_tail", "max_tail", "staging")
+            k: v
+            for k, v in REFERENCE_JOURNAL.items()
+            if k in ("min_tail", "max_tail", "staging", "exact_recent")
         }
         return cls(**{**sizes, **fields})
 
@@ -111,9 +114,10 @@ def sjkvarn_bytes(
     heads = geo.layers * geo.kv_heads
     sink = heads * 128 * geo.head_dim * 2 * 2
     ring = heads * journal.ring_rows * journal.ring_row_bytes(geo.head_dim)
+    window = heads * journal.exact_recent * geo.head_dim * 2 * 2
     record = codec.body_layout(geo.head_dim, k_bits, v_bits).record_bytes
     body_tokens = max(0, tokens - 128 - journal.min_tail)
-    return sink + ring + heads * record * body_tokens / codec.GROUP
+    return sink + ring + window + heads * record * body_tokens / codec.GROUP
 
 
 def table(

@@ -32,7 +32,7 @@ pub struct CacheSpec {
 impl CacheSpec {
     /// `layer_coding` is one `(k_bits, v_bits, k_body, v_body)` per layer.
     #[new]
-    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128, staging_budget=None, centre_keys=false))]
+    #[pyo3(signature = (layers, q_heads, kv_heads, head_dim, layer_coding, min_tail, max_tail, max_chunk, max_tokens, passes, mode, stat, staging, flush_chunk=0, sink_type="f16", sink=128, staging_budget=None, centre_keys=false, exact_recent=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: usize,
@@ -53,6 +53,7 @@ impl CacheSpec {
         sink: usize,
         staging_budget: Option<f32>,
         centre_keys: bool,
+        exact_recent: usize,
     ) -> PyResult<Self> {
         let mut config = build_config(
             layers,
@@ -67,6 +68,7 @@ impl CacheSpec {
         config.flush_chunk = flush_chunk;
         config.sink = sink;
         config.centre_keys = centre_keys;
+        config.exact_recent = exact_recent;
         config.sink_type = sink_type.parse::<SinkType>().map_err(err)?;
         config.validate().map_err(err)?;
         Ok(Self { config })
@@ -104,6 +106,7 @@ pub(crate) fn config_dict<'py>(py: Python<'py>, c: &CacheConfig) -> PyResult<Bou
     d.set_item("staging_budget", c.auto_staging)?;
     d.set_item("sink_type", c.sink_type.name())?;
     d.set_item("centre_keys", c.centre_keys)?;
+    d.set_item("exact_recent", c.exact_recent)?;
     d.set_item("reference_format", c.is_reference())?;
     Ok(d)
 }
@@ -160,6 +163,7 @@ fn build_config(
         sink: sjkvarn::cache::SINK,
         sink_type: SinkType::F16,
         centre_keys: false,
+        exact_recent: 0,
     };
     config.validate().map_err(err)?;
     Ok(config)

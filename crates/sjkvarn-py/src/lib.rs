@@ -299,6 +299,7 @@ fn journal_presets(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
         };
         d.set_item("staging", staging)?;
         d.set_item("centre_keys", p.centre_keys)?;
+        d.set_item("exact_recent", p.exact_recent)?;
         Ok(d)
     };
     let out = pyo3::types::PyDict::new(py);

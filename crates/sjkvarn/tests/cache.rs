@@ -904,26 +904,32 @@ fn centred_states_carry_their_rotation_id_and_old_snapshots_still_load() {
     let mut old = new_seq(plain.clone());
     old.append(0, &k[..300 * 2 * D], &v[..300 * 2 * D]).unwrap();
     old.append(1, &k[..300 * 2 * D], &v[..300 * 2 * D]).unwrap();
-    let v3 = old.snapshot_bytes().unwrap();
-    // configuration block: 4 u32, 5 u64, sink type u8, sink u64, then the flags byte
+    let v4 = old.snapshot_bytes().unwrap();
+    // configuration block: 4 u32, 5 u64, sink type u8, sink u64, then the flags byte (version
+    // 3 on) and `exact_recent: u32` (version 4 on)
     let flags_at = 20 + 4 * 4 + 5 * 8 + 1 + 8;
-    assert_eq!(v3[flags_at], 0);
-    let mut v2 = v3[..flags_at].to_vec();
-    v2.extend_from_slice(&v3[flags_at + 1..v3.len() - 8]);
-    v2[8..12].copy_from_slice(&2u32.to_le_bytes());
-    let payload_len = (v2.len() - 20) as u64;
-    v2[12..20].copy_from_slice(&payload_len.to_le_bytes());
-    let sum = sjkvarn::cache::snapshot::fnv1a64(&v2);
-    v2.extend_from_slice(&sum.to_le_bytes());
-    let back = Sequence::from_snapshot(&v2, None, None).unwrap();
-    assert_eq!(back.config(), &plain);
+    assert_eq!(v4[flags_at], 0);
     let q = rng.gaussians(4 * D);
-    assert_eq!(
-        attend(&back, 1, &q, None).unwrap(),
-        attend(&old, 1, &q, None).unwrap()
-    );
+    for (version, cut) in [
+        (2u32, flags_at..flags_at + 5),
+        (3, flags_at + 1..flags_at + 5),
+    ] {
+        let mut old_file = v4[..cut.start].to_vec();
+        old_file.extend_from_slice(&v4[cut.end..v4.len() - 8]);
+        old_file[8..12].copy_from_slice(&version.to_le_bytes());
+        let payload_len = (old_file.len() - 20) as u64;
+        old_file[12..20].copy_from_slice(&payload_len.to_le_bytes());
+        let sum = sjkvarn::cache::snapshot::fnv1a64(&old_file);
+        old_file.extend_from_slice(&sum.to_le_bytes());
+        let back = Sequence::from_snapshot(&old_file, None, None).unwrap();
+        assert_eq!(back.config(), &plain, "version {version}");
+        assert_eq!(
+            attend(&back, 1, &q, None).unwrap(),
+            attend(&old, 1, &q, None).unwrap()
+        );
+    }
     // An unknown flag is refused.
-    let mut bad = v3.clone();
+    let mut bad = v4.clone();
     bad[flags_at] = 2;
     let n = bad.len();
     let sum = sjkvarn::cache::snapshot::fnv1a64(&bad[..n - 8]);

@@ -35,7 +35,7 @@ CAPTURE = "sjkvarn-capture"
 #: (tq6_0 ring, 4,096/8,192), its K-only and V-only staging variants, the ring exact or 8-bit
 #: (keys as appended unless named centred), the shipped default, and paper-faithful KVarN with
 #: and without its 1,024-token exact tail.
-FAITHFUL = dict(staging="f16", passes=8, mode="best", centre_keys=False)
+FAITHFUL = dict(staging="f16", passes=8, mode="best", centre_keys=False, exact_recent=0)
 SEED_RING = dict(min_tail=4096, max_tail=8192, centre_keys=False)
 SHORT_RING = dict(min_tail=2048, max_tail=4096, centre_keys=False)
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -55,7 +55,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 #: The configurations at the tails the ``small`` preset scales to a 7,936-token history
 #: (``--set small``; SmolLM2): the shipped journal's staging with a 992..1,984-token ring,
-#: KVarN with a 496-token exact tail, and the ring's K and V each exact or 8-bit.
+#: KVarN with a 496-token exact tail, the ring's K and V each exact or 8-bit, and the newest
+#: positions read from exact copies (``exact_recent``).
 SMALL_RING = dict(min_tail=992, max_tail=1984)
 SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "KVarN 4/4 tail 0": dict(FAITHFUL, min_tail=0, max_tail=128),
@@ -66,6 +67,10 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "SJ ring f16, faithful body": dict(SMALL_RING, staging="f16", passes=8, mode="best"),
     "SJ ring K f16, V q8_0": dict(SMALL_RING, staging="f16/q8_0"),
     "SJ ring K q8_0, V f16": dict(SMALL_RING, staging="q8_0/f16"),
+    "SJ default, exact window 32": dict(SMALL_RING, exact_recent=32),
+    "SJ default, exact window 64": dict(SMALL_RING, exact_recent=64),
+    "SJ default, exact window 128": dict(SMALL_RING, exact_recent=128),
+    "SJ keys as appended, exact window 128": dict(SMALL_RING, centre_keys=False, exact_recent=128),
 }
 CONFIG_SETS = {"seed": CONFIGS, "small": SMALL_CONFIGS}
 

@@ -42,7 +42,9 @@ class Arm:
 
 def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
     lo, hi = sj_tail
-    faithful = dict(staging="f16", passes=8, mode="best", k_bits=4, v_bits=4, centre_keys=False)
+    faithful = dict(
+        staging="f16", passes=8, mode="best", k_bits=4, v_bits=4, centre_keys=False, exact_recent=0
+    )
     return [
         Arm("fp16", "f16", "f16"),
         Arm("q8_0/q8_0", "q8_0", "q8_0"),
@@ -102,7 +104,7 @@ def seed_arms() -> list[Arm]:
     with the reference codec's journal (``Config.reference()``: ``tq6_0`` ring, 4,096/8,192),
     paper-faithful KVarN with tail 0 and with its 1,024-token tail, and the flat formats people
     use."""
-    faithful = dict(staging="f16", passes=8, mode="best", centre_keys=False)
+    faithful = dict(staging="f16", passes=8, mode="best", centre_keys=False, exact_recent=0)
     ref = dict(REFERENCE_JOURNAL)
     kvarn = lambda k, v, tail: Arm(  # noqa: E731
         f"KVarN {k}/{v} tail {tail}",

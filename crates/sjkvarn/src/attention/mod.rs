@@ -51,6 +51,7 @@ mod ring_tq6;
 pub(crate) mod tile_gemm;
 mod word_dots;
 
+use crate::cache::exact_window::ExactWindow;
 use crate::cache::sequence::{LayerJournal, Sequence};
 use crate::cache::{CacheError, CacheResult, Staging};
 use crate::codec::extension::body::{DecodedHalf, GROUP};
@@ -343,6 +344,10 @@ struct Queries<'a> {
     base: usize,
     scale: f32,
     kv_head: usize,
+    /// The layer's exact window and its width (0: off): the positions each query reads from
+    /// it are hidden from the blocks.
+    window: &'a ExactWindow,
+    width: usize,
     /// The instruction set the arithmetic kernel runs on.
     level: SimdLevel,
     /// The integer kernel of 4-bit fragment sides (every one gives the same bits).
@@ -379,9 +384,11 @@ impl Queries<'_> {
         (out, np)
     }
 
-    /// Positions of a block of `rows` starting at `first` visible to pair `p`'s query row.
+    /// Positions of a block of `rows` starting at `first` visible to pair `p`'s query row:
+    /// those up to its own, before the ones it reads from the exact window.
     fn visible(&self, p: usize, first: usize, rows: usize) -> usize {
-        (self.base + p / self.gs + 1)
+        self.window
+            .exact_from(self.width, self.base + p / self.gs)
             .saturating_sub(first)
             .min(rows)
     }
@@ -880,6 +887,8 @@ fn attend_at(
         base,
         scale,
         kv_head: h,
+        window: &lj.window,
+        width: cfg.exact_recent,
         level,
         fragments: FragmentKernel::for_level(level),
         ring: RingKernel::for_level(level),
@@ -935,7 +944,10 @@ fn attend_at(
     // Normalise and rotate the value sums back to the model frame: [n][q_heads][head_dim].
     let mut out = vec![0.0f32; n * qh * d];
     for (h, states) in per_head.into_iter().enumerate() {
-        let states = states?;
+        let mut states = states?;
+        if cfg.exact_recent > 0 {
+            fold_window(&ctx_of(h), kvh, &mut states);
+        }
         for (p, st) in states.iter().enumerate() {
             let (i, j) = (p / gs, p % gs);
             let o = &mut out[(i * qh + h * gs + j) * d..(i * qh + h * gs + j + 1) * d];
@@ -950,6 +962,64 @@ fn attend_at(
         return Err(score_overflow(q, d, scale));
     }
     Ok(out)
+}
+
+/// Folds each pair's exact-window positions (fp16 copies, read after every block) into its
+/// state: pair `p` at position `pos` reads `exact_from(pos)..=pos`. Plain sums in a fixed order,
+/// the same in every build.
+fn fold_window(ctx: &Queries, kvh: usize, states: &mut [Softmax]) {
+    let (d, w) = (ctx.d, ctx.window);
+    let pairs = states.len();
+    let last = ctx.base + (pairs.max(1) - 1) / ctx.gs;
+    // The first position any pair reads (queries in the sink read none).
+    let from = w.exact_from(ctx.width, ctx.base).max(w.first);
+    if from > last {
+        return;
+    }
+    // The head's copies in f32, once per call.
+    let rows = last + 1 - from;
+    let (mut keys, mut values) = (vec![0.0f32; rows * d], vec![0.0f32; rows * d]);
+    for (t, pos) in (from..=last).enumerate() {
+        let at = t * d..(t + 1) * d;
+        w.row(pos, ctx.kv_head, kvh, d, false)
+            .convert_to_f32_slice(&mut keys[at.clone()]);
+        w.row(pos, ctx.kv_head, kvh, d, true)
+            .convert_to_f32_slice(&mut values[at]);
+    }
+    let (mut logits, mut weights) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+    let mut part = [Softmax::new(d)];
+    for (p, state) in states.iter_mut().enumerate() {
+        let pos = ctx.base + p / ctx.gs;
+        let start = w.exact_from(ctx.width, pos);
+        if start > pos {
+            continue;
+        }
+        let (t0, count) = (start - from, pos + 1 - start);
+        let q = ctx.query(p);
+        for (l, k) in logits
+            .iter_mut()
+            .zip(keys[t0 * d..].chunks_exact(d))
+            .take(count)
+        {
+            let mut s = 0.0f32;
+            for (a, b) in q.iter().zip(k) {
+                s += a * b;
+            }
+            *l = s * ctx.scale;
+        }
+        part[0].clear();
+        part[0].fold(&logits, count, &mut weights);
+        for (&wt, v) in weights
+            .iter()
+            .zip(values[t0 * d..].chunks_exact(d))
+            .take(count)
+        {
+            for (a, &x) in part[0].acc.iter_mut().zip(v) {
+                *a += wt * x;
+            }
+        }
+        merge_states(std::slice::from_mut(state), &part);
+    }
 }
 
 /// The error of scores that left the f32 range: names the largest `scale * |q_row|`.

@@ -9,6 +9,10 @@ use crate::journal::Rules;
 /// Default sink: positions kept in fp16 at the start of every sequence (the reference's 128).
 pub const SINK: usize = 128;
 
+/// Largest exact window ([`CacheConfig::exact_recent`]): the copies are fp16, so a window of
+/// a few thousand positions already costs more than a larger ring.
+pub const MAX_EXACT_RECENT: usize = 4096;
+
 /// Longest supported sequence.
 pub const MAX_TOKENS: usize = 1 << 24;
 
@@ -25,6 +29,8 @@ pub struct JournalPreset {
     /// Whether ring and body keys are stored minus the sink's mean key (see
     /// [`CacheConfig::centre_keys`]).
     pub centre_keys: bool,
+    /// Newest positions each query reads in fp16 (see [`CacheConfig::exact_recent`]).
+    pub exact_recent: usize,
 }
 
 /// What a configuration gets unless told otherwise: a `q8_0` ring of 2,048 to 3,072 unsealed
@@ -41,6 +47,7 @@ pub const DEFAULT_JOURNAL: JournalPreset = JournalPreset {
     k_staging: Staging::Q8_0,
     v_staging: Staging::Q8_0,
     centre_keys: true,
+    exact_recent: 0,
 };
 
 /// The SJ-KVaRN reference codec's defaults (`tq6_0` keys and values, 4,096 to 8,192 unsealed
@@ -51,6 +58,7 @@ pub const REFERENCE_JOURNAL: JournalPreset = JournalPreset {
     k_staging: Staging::Tq6,
     v_staging: Staging::Tq6,
     centre_keys: false,
+    exact_recent: 0,
 };
 
 /// Bits and coding of one layer's body records.
@@ -256,6 +264,13 @@ pub struct CacheConfig {
     /// that costs their codes precision. The sink stays stored as appended; the mean is
     /// recomputed from it, so states need no extra bytes (an extension rotation id marks them).
     pub centre_keys: bool,
+    /// The exact window (extension; 0 = off): a query at position `p` reads positions
+    /// `p - exact_recent + 1 ..= p` after the sink from an fp16 copy of their rotated rows
+    /// instead of the ring's codes. The newest positions carry a large share of attention
+    /// mass, and an 8-bit ring key costs there what it saves elsewhere. Each layer keeps the
+    /// copies of the newest `exact_recent - 1` positions plus those of its last append; states
+    /// carry them after the `SJKVSEQ` stream (see `docs/formats.md`).
+    pub exact_recent: usize,
 }
 
 impl CacheConfig {
@@ -280,6 +295,7 @@ impl CacheConfig {
         self.k_staging = preset.k_staging;
         self.v_staging = preset.v_staging;
         self.centre_keys = preset.centre_keys;
+        self.exact_recent = preset.exact_recent;
         self
     }
 
@@ -312,6 +328,7 @@ impl CacheConfig {
             sink: SINK,
             sink_type: SinkType::F16,
             centre_keys: REFERENCE_JOURNAL.centre_keys,
+            exact_recent: REFERENCE_JOURNAL.exact_recent,
         }
     }
 
@@ -358,6 +375,12 @@ impl CacheConfig {
         }
         if self.centre_keys && self.sink_type != SinkType::F16 {
             return bad("centred keys need an fp16 sink (sink_type 'f16')".into());
+        }
+        if self.exact_recent > MAX_EXACT_RECENT {
+            return bad(format!(
+                "exact_recent ({}) must be at most {MAX_EXACT_RECENT}",
+                self.exact_recent
+            ));
         }
         if let Some(budget) = self.auto_staging {
             if !(budget.is_finite() && budget > 0.0 && budget < 1.0) {
@@ -452,6 +475,7 @@ impl CacheConfig {
         uniform
             && tails
             && !self.centre_keys
+            && self.exact_recent == 0
             && self.head_dim.is_multiple_of(128)
             && self.has_reference_staging()
             && (0..self.layers).all(|l| self.body_codec(l).is_ok_and(|c| c.is_reference()))
@@ -484,6 +508,13 @@ impl CacheConfig {
     /// Bytes of one layer's ring stored as `rows`.
     pub fn ring_bytes(&self, rows: super::staging::RingRows) -> usize {
         self.ring_rows() * self.kv_heads * rows.entry_bytes()
+    }
+
+    /// Bytes of one layer's exact window as a decoding sequence holds it: `exact_recent` fp16
+    /// K and V rows of every KV head (a prefill holds its own rows besides until the next
+    /// append).
+    pub fn window_bytes(&self) -> usize {
+        self.exact_recent * self.kv_heads * self.head_dim * 4
     }
 
     /// Ring rows allocated per layer (see [`Rules::ring_rows`]).

@@ -10,6 +10,7 @@
 
 pub mod auto_staging;
 pub mod config;
+pub(crate) mod exact_window;
 #[doc(hidden)]
 pub mod faults;
 pub mod pool;
@@ -18,8 +19,8 @@ pub mod snapshot;
 pub mod staging;
 
 pub use config::{
-    CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
-    SINK,
+    CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL, MAX_EXACT_RECENT,
+    REFERENCE_JOURNAL, SINK,
 };
 pub use pool::RecordPool;
 pub use sequence::{LayerImage, MemoryReport, Sequence};

@@ -11,6 +11,7 @@
 
 use super::auto_staging::{self, StagingPick};
 use super::config::CacheConfig;
+use super::exact_window::ExactWindow;
 use super::pool::{RecordPool, SlotId};
 use super::staging::RingRows;
 use super::{CacheError, CacheResult};
@@ -116,6 +117,8 @@ pub(crate) struct LayerJournal {
     /// (`[kv_heads][D]`, rotated frame) and the sink's keys minus it, which attention scores.
     /// Derived from `sink_k`, which keeps the keys as appended (what states store).
     pub(crate) centring: Option<Centring>,
+    /// The fp16 copies of the newest rows (empty unless `exact_recent` is set).
+    pub(crate) window: ExactWindow,
 }
 
 /// The key offset of a layer whose keys are centred ([`CacheConfig::centre_keys`]).
@@ -355,6 +358,7 @@ impl Sequence {
                 rows,
                 pick: None,
                 centring: None,
+                window: ExactWindow::new(config.sink),
             });
         }
         Ok(Self {
@@ -569,6 +573,9 @@ impl Sequence {
         let ring_tokens = (start + n).saturating_sub(sink.max(start));
         let mut staged = vec![0u8; ring_tokens * h * rows.entry_bytes()];
         let mut centred = vec![0.0f32; d];
+        // The exact window's copies of this append's rows after the sink (keys as staged).
+        let windowed = cfg.exact_recent > 0;
+        let mut window_k = Vec::with_capacity(if windowed { ring_tokens * per_tok } else { 0 });
         for t in n - ring_tokens..n {
             let pos = start + t;
             for head in 0..h {
@@ -586,10 +593,23 @@ impl Sequence {
                 };
                 rows.side(false)
                     .encode(key, &mut staged[rows.range(entry, false)])?;
+                if windowed {
+                    window_k.extend_from_slice(key);
+                }
                 rows.side(true)
                     .encode(&rv[at..at + d], &mut staged[rows.range(entry, true)])?;
             }
         }
+
+        let window_rows = if windowed {
+            let values = &rv[(n - ring_tokens) * per_tok..];
+            Some((
+                ExactWindow::rounded(&window_k, "fp16 exact window")?,
+                ExactWindow::rounded(values, "fp16 exact window")?,
+            ))
+        } else {
+            None
+        };
 
         // 2. Plan the ubatches and seals; reserve every slot they need up front.
         let plan = cfg.rules().plan_append(l.state(), n);
@@ -654,6 +674,11 @@ impl Sequence {
         }
         if let Some(c) = new_centring {
             self.layers[layer].centring = Some(c);
+        }
+        if let Some((wk, wv)) = window_rows {
+            let w = &mut self.layers[layer].window;
+            w.trim_for_append(start, cfg.exact_recent, per_tok);
+            w.extend(&wk, &wv);
         }
         Ok(())
     }
@@ -775,6 +800,8 @@ impl Sequence {
             if l.len < self.config.sink {
                 l.centring = None;
             }
+            let per_pos = self.config.kv_heads * self.config.head_dim;
+            l.window.truncate(l.len, self.config.sink, per_pos);
             reprocess = reprocess.min(resume);
         }
         Ok(reprocess)
@@ -861,6 +888,12 @@ impl Sequence {
             l.sink_k = img.sink_k.iter().map(|&b| f16::from_bits(b)).collect();
             l.sink_v = img.sink_v.iter().map(|&b| f16::from_bits(b)).collect();
             l.ring.copy_from_slice(&img.ring);
+            // Images carry no exact-window copies: queries read the restored rows from the ring.
+            l.window = ExactWindow {
+                first: img.len.max(config.sink),
+                k: Vec::new(),
+                v: Vec::new(),
+            };
             for rec in img.records.chunks_exact(slot) {
                 let id = slots.next().expect("reserved one slot per sealed group");
                 seq.pool.fill(id, Arc::from(&rec[..rb]));
@@ -878,14 +911,19 @@ impl Sequence {
             .iter()
             .map(|l| (l.len, l.sealed, l.rows.bits_per_value()))
             .collect();
-        let ring_bytes = self.layers.iter().map(|l| l.ring.len()).sum();
+        let window_bytes = self.config.window_bytes();
+        let ring_bytes = self
+            .layers
+            .iter()
+            .map(|l| l.ring.len() + window_bytes)
+            .sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
         let slot = self.pool.slot_bytes();
         let in_use = self
             .layers
             .iter()
             .filter(|l| l.len > 0)
-            .map(|l| (1, l.ring.len() + l.blocks.len() * slot));
+            .map(|l| (1, l.ring.len() + window_bytes + l.blocks.len() * slot));
         memory_report(
             &self.config,
             &lens,
@@ -915,7 +953,12 @@ pub fn memory_report(
         let sink = len.min(cfg.sink);
         let body = sealed * GROUP;
         let ring = len - sink - body;
-        bits += sink as f64 * 16.0 + body as f64 * body_bits + ring as f64 * ring_bits;
+        // The exact window's copies are held besides the ring rows they duplicate.
+        let window = (len - sink).min(cfg.exact_recent);
+        bits += sink as f64 * 16.0
+            + body as f64 * body_bits
+            + ring as f64 * ring_bits
+            + window as f64 * 16.0;
         values += len as f64;
         sealed_tokens += body;
         ring_tokens += ring;

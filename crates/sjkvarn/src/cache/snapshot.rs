@@ -35,8 +35,14 @@ use std::sync::Arc;
 
 const MAGIC: &[u8; 8] = b"SJKVSNAP";
 /// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream;
-/// 3: a flags byte after the sink, bit 0 = centred keys). Version-2 files still load.
-pub const VERSION: u32 = 3;
+/// 3: a flags byte after the sink, bit 0 = centred keys; 4: `exact_recent: u32` after the
+/// flags). Version-2 and -3 files still load.
+pub const VERSION: u32 = 4;
+/// Magic of the exact-window section that follows the `SJKVSEQ` stream of a cache with
+/// `exact_recent > 0` (extension, version 1): `exact_recent: u32`, then per layer of the
+/// stream `first: u64`, `rows: u64`, the K copies and the V copies (`[rows][kv_heads][d]`
+/// fp16), then `fnv1a64` of the section before it.
+pub const WINDOW_MAGIC: &[u8; 8] = b"SJKVWIN1";
 /// Flag bit of the configuration block: keys centred on the sink's mean.
 const FLAG_CENTRE_KEYS: u8 = 1;
 
@@ -164,6 +170,7 @@ fn write_config(w: &mut Writer, c: &CacheConfig) {
     w.u8((c.sink_type == SinkType::Inherit) as u8);
     w.u64(c.sink);
     w.u8(if c.centre_keys { FLAG_CENTRE_KEYS } else { 0 });
+    w.u32(c.exact_recent);
     // One byte for one type (as version-2 files always held); 3 then K and V bytes for
     // different types; 4 then the budget's f32 bits for `auto` (each layer's pick is in its
     // stream's header).
@@ -204,6 +211,7 @@ fn read_config(r: &mut Reader, version: u32) -> CacheResult<CacheConfig> {
     if flags & !FLAG_CENTRE_KEYS != 0 {
         return Err(corrupt("unknown configuration flags"));
     }
+    let exact_recent = if version >= 4 { r.u32()? } else { 0 };
     let (k_staging, v_staging, auto_staging) = match r.u8()? {
         3 => (staging_of_byte(r.u8()?)?, staging_of_byte(r.u8()?)?, None),
         4 => {
@@ -258,6 +266,7 @@ fn read_config(r: &mut Reader, version: u32) -> CacheResult<CacheConfig> {
         sink,
         sink_type,
         centre_keys: flags & FLAG_CENTRE_KEYS != 0,
+        exact_recent,
     };
     config
         .validate()
@@ -406,12 +415,81 @@ impl Sequence {
                 dst.copy_from_slice(&l.ring[at..at + stage]);
             }
         };
-        Ok(journal::write_state_vec(
-            &header,
-            record_bytes,
-            stage,
-            &mut fill,
-        )?)
+        let mut out = journal::write_state_vec(&header, record_bytes, stage, &mut fill)?;
+        if cfg.exact_recent > 0 {
+            self.write_window(layers, &mut out);
+        }
+        Ok(out)
+    }
+
+    /// Appends the exact-window section of `layers` (see [`WINDOW_MAGIC`]).
+    fn write_window(&self, layers: &[usize], out: &mut Vec<u8>) {
+        let mut w = Writer(Vec::new());
+        w.0.extend_from_slice(WINDOW_MAGIC);
+        w.u32(self.config.exact_recent);
+        for &l in layers {
+            let win = &self.layers[l].window;
+            w.u64(win.first);
+            w.u64(win.rows(self.config.kv_heads * self.config.head_dim));
+            for x in win.k.iter().chain(&win.v) {
+                w.0.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        let sum = fnv1a64(&w.0);
+        out.extend_from_slice(&w.0);
+        out.extend_from_slice(&sum.to_le_bytes());
+    }
+
+    /// Reads the exact-window section `bytes` of `layers` (each already holding its restored
+    /// length) into their windows; anything but one whole, consistent section is refused.
+    fn read_window(&mut self, layers: &[usize], bytes: &[u8]) -> CacheResult<()> {
+        let bad = |what: &str| CacheError::Snapshot(format!("exact-window section: {what}"));
+        if bytes.len() < 8 + 4 + 8 || &bytes[..8] != WINDOW_MAGIC {
+            return Err(bad("missing or not a window section"));
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 8);
+        if fnv1a64(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
+            return Err(bad("checksum mismatch"));
+        }
+        let mut r = Reader {
+            bytes: &body[8..],
+            at: 0,
+        };
+        if r.u32()? != self.config.exact_recent {
+            return Err(bad("written for another exact_recent"));
+        }
+        let (sink, per_pos) = (
+            self.config.sink,
+            self.config.kv_heads * self.config.head_dim,
+        );
+        let mut windows = Vec::with_capacity(layers.len());
+        for &l in layers {
+            let (first, rows) = (r.u64()?, r.u64()?);
+            let end = self.layers[l].len.max(sink);
+            if first < sink || first > end || rows != end - first {
+                return Err(bad("positions do not match the stream"));
+            }
+            let mut side = || -> CacheResult<Vec<f16>> {
+                let raw = r.take(rows * per_pos * 2)?;
+                let out: Vec<f16> = raw
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                if out.iter().any(|x| !x.is_finite()) {
+                    return Err(bad("non-finite copy"));
+                }
+                Ok(out)
+            };
+            let (k, v) = (side()?, side()?);
+            windows.push(super::exact_window::ExactWindow { first, k, v });
+        }
+        if r.at != r.bytes.len() {
+            return Err(bad("trailing bytes"));
+        }
+        for (&l, w) in layers.iter().zip(windows) {
+            self.layers[l].window = w;
+        }
+        Ok(())
     }
 
     /// Restores a sequence of `config` from an `SJKVSEQ` stream into `pool` (a new pool sized
@@ -423,11 +501,6 @@ impl Sequence {
         bytes: &[u8],
     ) -> CacheResult<Sequence> {
         config.validate()?;
-        // The reference reads a stream out of a larger buffer; a stream handed over on its own
-        // must end where its header says (as a snapshot file must).
-        if journal::peek(bytes)?.total_bytes != bytes.len() {
-            return Err(journal::StateError::Corrupt("bytes after the end of the stream").into());
-        }
         let pool = pool.unwrap_or_else(|| Sequence::pool_for(&config, 1));
         let mut seq = Sequence::new(config.clone(), pool)?;
         let all: Vec<usize> = (0..config.layers).collect();
@@ -436,9 +509,16 @@ impl Sequence {
     }
 
     /// Fills the (empty) `layers` of this sequence from a stream holding exactly them.
+    /// The stream must end where its header says (the reference reads a stream out of a larger
+    /// buffer; one handed over on its own, as a snapshot's, must not carry more), followed by
+    /// the exact-window section exactly when the configuration has a window.
     fn read_layers(&mut self, layers: &[usize], bytes: &[u8]) -> CacheResult<()> {
         let config = self.config.clone();
         let info = journal::peek(bytes)?;
+        let (bytes, window) = bytes.split_at(info.total_bytes.min(bytes.len()));
+        if config.exact_recent == 0 && !window.is_empty() {
+            return Err(journal::StateError::Corrupt("bytes after the end of the stream").into());
+        }
         // An `auto` cache takes each layer's staging from the stream (a layer that held nothing
         // has not picked yet and stays so); a fixed one must match it.
         let mut rows = self.layers[layers[0]].rows;
@@ -520,6 +600,9 @@ impl Sequence {
         for &l in layers {
             self.layers[l].set_state(st);
             self.layers[l].refresh_centring(&config)?;
+        }
+        if config.exact_recent > 0 {
+            self.read_window(layers, window)?;
         }
         Ok(())
     }

@@ -249,6 +249,13 @@ impl DeviceSequence {
                     .into(),
             ));
         }
+        if config.exact_recent > 0 {
+            return Err(CudaError::Unsupported(
+                "an exact window (the device kernels read the ring's codes for every position; \
+                 use exact_recent=0)"
+                    .into(),
+            ));
+        }
         let layouts = (0..config.layers)
             .map(|layer| layer_layout(&config, layer))
             .collect::<CudaResult<Vec<_>>>()?;
