@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--scored-tokens", type=int, default=None, help="main and seed 256, small 128")
     ev.add_argument("--mode", choices=["teacher", "greedy", "sample"], default="teacher")
     ev.add_argument("--arms", nargs="+", default=None, help="subset of arm names")
+    ev.add_argument(
+        "--exact-recent",
+        type=int,
+        default=None,
+        help="exact window of the SJ-KVaRN arms on Config()'s journal (default: Config()'s)",
+    )
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
@@ -253,6 +259,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kvarn_tail=kvarn_tail,
         arms=args.arms,
         preset=args.preset,
+        sj_exact_recent=args.exact_recent,
     )
     try:
         report = evaluation.evaluate(net, tok, hist, settings)

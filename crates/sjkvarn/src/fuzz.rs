@@ -167,6 +167,7 @@ pub fn target_api(input: &[u8]) -> Result<Outcome, String> {
     config.v_staging = b.pick(&[Staging::Tq6, Staging::Q8_0, Staging::F16]);
     config.balance.passes = b.pick(&[0u32, 2, 16, 5000]);
     config.centre_keys = b.u8().is_multiple_of(2);
+    config.exact_recent = b.pick(&[0usize, 0, 5, 128]);
     if let Err(e) = config.validate() {
         return Ok(format!("config err {}", variant(&e.to_string())));
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,15 @@ class Arm:
     k_format: str | None = None  # flat arms
     v_format: str | None = None
     journal: dict[str, Any] | None = None  # sjkvarn.Config overrides
+
+
+def with_exact_recent(arm: Arm, width: int) -> Arm:
+    """``arm`` with an exact window of ``width`` when it is an SJ-KVaRN arm on ``Config()``'s
+    journal (its staging and key handling unset), else ``arm`` itself."""
+    j = arm.journal
+    if j is None or "staging" in j or "centre_keys" in j:
+        return arm
+    return replace(arm, journal={**j, "exact_recent": width})
 
 
 def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
@@ -362,6 +371,9 @@ class ArmSettings:
     bootstrap: int = 2000
     arms: list[str] | None = None
     preset: str = "small"
+    #: ``exact_recent`` of the SJ-KVaRN arms that take ``Config()``'s journal (``None``: its
+    #: own); KVarN and the reference-journal arms never read exact copies.
+    sj_exact_recent: int | None = None
 
     def select_arms(self) -> list[Arm]:
         """The preset's arms, or the named subset plus the baseline."""
@@ -371,6 +383,8 @@ class ArmSettings:
             arms = main_arms()
         else:
             arms = default_arms(self.sj_tail, self.kvarn_tail)
+        if self.sj_exact_recent is not None:
+            arms = [with_exact_recent(a, self.sj_exact_recent) for a in arms]
         if self.arms:
             unknown = set(self.arms) - {a.name for a in arms}
             if unknown:

@@ -10,15 +10,17 @@
 
 use super::ring_tq6::RingKernel;
 use super::value_operands_fit;
-use crate::codec::comparators::ggml::{GgmlFormat, QK};
+use crate::cache::staging::RowCodec;
+use crate::cache::Staging;
+use crate::codec::comparators::ggml::QK;
 use crate::codec::fp16::f16_to_f32;
 
 /// Bytes of one `q8_0` block: the fp16 scale, then 32 signed codes.
 const BLOCK_BYTES: usize = 2 + QK;
 
-/// Bytes of a `q8_0` row of `d` values.
-pub(crate) fn row_bytes(d: usize) -> usize {
-    d / QK * GgmlFormat::Q8_0.block_bytes()
+/// Bytes of a `q8_0` row of `d` values (the ring's own row size).
+fn row_bytes(d: usize) -> usize {
+    RowCodec::new(Staging::Q8_0, d).row_bytes()
 }
 
 /// `out[s * ldo + c] = sum_t (w[s * ldw + t] scale[t, c]) code[t, c]` over `t < n`, in
@@ -174,6 +176,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::comparators::ggml::GgmlFormat;
     use crate::rng::SplitMix64;
 
     /// `rows` q8_0 rows of `d` Gaussian values, each after 3 bytes of something else.
