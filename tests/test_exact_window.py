@@ -102,3 +102,16 @@ def test_bad_windows_are_refused_by_name(value: object, error: type[Exception]) 
         Cache(small_config(exact_recent=value))
     with pytest.raises(SjkvarnError):
         Cache(small_config(exact_recent=value))
+
+
+def test_eval_gives_the_window_to_the_sj_arms_only() -> None:
+    from sjkvarn.eval.evaluation import EvalSettings
+
+    arms = {a.name: a for a in EvalSettings(sj_exact_recent=64).select_arms()}
+    windowed = {n for n, a in arms.items() if a.journal and a.journal.get("exact_recent")}
+    assert {"SJ-KVaRN 4/4", "SJ-KVaRN 4/4 keys as appended", "SJ-KVaRN 3/2t"} <= windowed
+    assert not any(n.startswith("KVarN") for n in windowed)
+    assert "SJ-KVaRN 4/4 q8 ring" not in windowed  # an ablation names its own staging
+    assert all(arms[n].journal["exact_recent"] == 64 for n in windowed)
+    plain = EvalSettings().select_arms()
+    assert not any(a.journal and a.journal.get("exact_recent") for a in plain)

@@ -15,7 +15,7 @@
 //! ([`codec`]), the `tq6_0` staging rows, the journal rules ([`journal`]) and the `SJKVSEQ`
 //! sequence state stream ([`cache::Sequence::state_bytes`]); the reference's bit-exactness
 //! vectors and golden state hashes are reproduced by this crate's tests. Extensions (64-wide
-//! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys) and the comparator formats ([`codec::comparators`],
+//! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys, the exact window) and the comparator formats ([`codec::comparators`],
 //! reachable by name through [`codec::format`]) are described with every byte layout in
 //! the repository's `docs/formats.md`.
 //!

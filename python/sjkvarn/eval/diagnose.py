@@ -51,6 +51,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "SJ ring q8_0, 2048/4096": dict(SHORT_RING, staging="q8_0"),
     "SJ ring q8_0, 1024/2048": dict(SHORT_RING, min_tail=1024, max_tail=2048, staging="q8_0"),
     "SJ default (q8_0, 2048/3072, centred keys)": dict(min_tail=2048, max_tail=3072),
+    "SJ default, exact window 64": dict(min_tail=2048, max_tail=3072, exact_recent=64),
 }
 
 #: The configurations at the tails the ``small`` preset scales to a 7,936-token history

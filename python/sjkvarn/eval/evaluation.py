@@ -42,9 +42,9 @@ class Arm:
 
 def with_exact_recent(arm: Arm, width: int) -> Arm:
     """``arm`` with an exact window of ``width`` when it is an SJ-KVaRN arm on ``Config()``'s
-    journal (its staging and key handling unset), else ``arm`` itself."""
+    staging (KVarN's and the staging ablations set theirs), else ``arm`` itself."""
     j = arm.journal
-    if j is None or "staging" in j or "centre_keys" in j:
+    if j is None or "staging" in j:
         return arm
     return replace(arm, journal={**j, "exact_recent": width})
 
@@ -67,6 +67,10 @@ def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
             journal=dict(faithful, min_tail=kvarn_tail, max_tail=kvarn_tail + 128),
         ),
         Arm("SJ-KVaRN 4/4", journal=dict(k_bits=4, v_bits=4, min_tail=lo, max_tail=hi)),
+        Arm(
+            "SJ-KVaRN 4/4 keys as appended",
+            journal=dict(k_bits=4, v_bits=4, min_tail=lo, max_tail=hi, centre_keys=False),
+        ),
         # staging ablations (seed 000 section 4.1): the same journal with 8-bit or 16-bit rows
         Arm(
             "SJ-KVaRN 4/4 q8 ring",
