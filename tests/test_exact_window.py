@@ -115,3 +115,7 @@ def test_eval_gives_the_window_to_the_sj_arms_only() -> None:
     assert all(arms[n].journal["exact_recent"] == 64 for n in windowed)
     plain = EvalSettings().select_arms()
     assert not any(a.journal and a.journal.get("exact_recent") for a in plain)
+    as_appended = {a.name: a for a in EvalSettings(sj_centre_keys=False).select_arms()}
+    assert as_appended["SJ-KVaRN 3/2t"].journal["centre_keys"] is False
+    assert "centre_keys" not in as_appended["SJ-KVaRN 4/4 q8 ring"].journal
+    assert as_appended["KVarN 4/4 tail 0"].journal["centre_keys"] is False

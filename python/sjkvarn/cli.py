@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="exact window of the SJ-KVaRN arms on Config()'s journal (default: Config()'s)",
     )
+    ev.add_argument(
+        "--centre-keys",
+        choices=("true", "false"),
+        default=None,
+        help="centred keys in the SJ-KVaRN arms on Config()'s journal (default: Config()'s)",
+    )
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
@@ -260,6 +266,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         arms=args.arms,
         preset=args.preset,
         sj_exact_recent=args.exact_recent,
+        sj_centre_keys=None if args.centre_keys is None else args.centre_keys == "true",
     )
     try:
         report = evaluation.evaluate(net, tok, hist, settings)

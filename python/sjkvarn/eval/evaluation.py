@@ -40,13 +40,14 @@ class Arm:
     journal: dict[str, Any] | None = None  # sjkvarn.Config overrides
 
 
-def with_exact_recent(arm: Arm, width: int) -> Arm:
-    """``arm`` with an exact window of ``width`` when it is an SJ-KVaRN arm on ``Config()``'s
-    staging (KVarN's and the staging ablations set theirs), else ``arm`` itself."""
+def with_sj_journal(arm: Arm, **fields: Any) -> Arm:
+    """``arm`` with ``fields`` (journal settings it does not set itself) when it is an SJ-KVaRN
+    arm on ``Config()``'s staging (KVarN's and the staging ablations set theirs), else ``arm``
+    itself."""
     j = arm.journal
     if j is None or "staging" in j:
         return arm
-    return replace(arm, journal={**j, "exact_recent": width})
+    return replace(arm, journal={**{k: v for k, v in fields.items() if v is not None}, **j})
 
 
 def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
@@ -375,9 +376,10 @@ class ArmSettings:
     bootstrap: int = 2000
     arms: list[str] | None = None
     preset: str = "small"
-    #: ``exact_recent`` of the SJ-KVaRN arms that take ``Config()``'s journal (``None``: its
-    #: own); KVarN and the reference-journal arms never read exact copies.
+    #: ``exact_recent`` and ``centre_keys`` of the SJ-KVaRN arms on ``Config()``'s staging
+    #: (``None``: ``Config()``'s); KVarN and the reference-journal arms keep their own.
     sj_exact_recent: int | None = None
+    sj_centre_keys: bool | None = None
 
     def select_arms(self) -> list[Arm]:
         """The preset's arms, or the named subset plus the baseline."""
@@ -387,8 +389,10 @@ class ArmSettings:
             arms = main_arms()
         else:
             arms = default_arms(self.sj_tail, self.kvarn_tail)
-        if self.sj_exact_recent is not None:
-            arms = [with_exact_recent(a, self.sj_exact_recent) for a in arms]
+        arms = [
+            with_sj_journal(a, exact_recent=self.sj_exact_recent, centre_keys=self.sj_centre_keys)
+            for a in arms
+        ]
         if self.arms:
             unknown = set(self.arms) - {a.name for a in arms}
             if unknown:
