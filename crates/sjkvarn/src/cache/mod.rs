@@ -5,7 +5,7 @@
 //! * [`pool`]: fixed-size, reference-counted record slots shared across sequences.
 //! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16, keys and values apart).
 //! * [`auto_staging`]: `staging = "auto"`, each layer's pick measured on its own rows.
-//! * [`sequence`]: one sequence's journal per layer: append, seal, truncate, fork, accounting.
+//! * `sequence` ([`Sequence`]): one sequence's journal per layer: append, seal, truncate, fork, accounting.
 //! * [`snapshot`]: versioned, checksummed save and load.
 
 pub mod auto_staging;
@@ -14,7 +14,7 @@ pub(crate) mod exact_window;
 #[doc(hidden)]
 pub mod faults;
 pub mod pool;
-pub mod sequence;
+pub(crate) mod sequence;
 pub mod snapshot;
 pub mod staging;
 

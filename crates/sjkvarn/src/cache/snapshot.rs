@@ -1,6 +1,6 @@
 //! Saving and restoring one sequence.
 //!
-//! The sequence state is the reference's `SJKVSEQ` version-1 stream ([`crate::journal::state`]):
+//! The sequence state is the reference's `SJKVSEQ` version-1 stream ([`crate::journal`]):
 //! a 128-byte identity header (geometry, bits, body, staging, tails, rotation, codebook id, the
 //! journal state), then per layer the sink rows, the sealed records and the tail rows, then an
 //! FNV-1a checksum. [`Sequence::state_bytes`] writes it and [`Sequence::from_state`] reads it;

@@ -7,6 +7,7 @@
 use crate::error::{CodecError, Result};
 
 /// Rotation lengths the transform accepts.
+#[cfg(test)]
 pub const ROTATION_LENGTHS: [usize; 3] = [64, 128, 256];
 
 /// Rotation size `R` for a head: the head itself up to 256, two 256 halves for a 512-wide head.
@@ -19,6 +20,7 @@ pub fn rotation_size(head_dim: usize) -> Result<usize> {
 }
 
 /// In-place orthonormal fast Walsh-Hadamard transform of one block of 64, 128 or 256 values.
+#[cfg(test)]
 pub fn fwht(block: &mut [f32]) -> Result<()> {
     let n = block.len();
     if !ROTATION_LENGTHS.contains(&n) {
@@ -35,6 +37,7 @@ pub(crate) fn fwht_unchecked(block: &mut [f32]) {
 }
 
 /// Rotates one head vector in place: whole for 64/128/256, as two 256 halves for 512.
+#[cfg(test)]
 pub fn rotate_head(head: &mut [f32]) -> Result<()> {
     let r = rotation_size(head.len())?;
     for chunk in head.chunks_exact_mut(r) {

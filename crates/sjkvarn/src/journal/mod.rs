@@ -37,15 +37,17 @@
 //! Nothing is ever re-quantised: a record is a function of its own `G` rows only, so the kept
 //! records stay bit-identical to a fresh build.
 //!
-//! [`policy`] holds these rules; [`state`] the versioned, checksummed stream of one sequence.
+//! `policy` holds these rules; `state` the versioned, checksummed stream of one sequence.
 
-pub mod plan;
-pub mod policy;
-pub mod state;
+pub(crate) mod plan;
+pub(crate) mod policy;
+pub(crate) mod state;
 
 pub use plan::{Chunk, LayerState, Rules};
 pub use policy::{group_floor, ring_capacity, ring_slot, Policy};
 pub use state::{
     check_identity, codebook_id, fnv1a64, peek, walk_payload, write_state, write_state_vec,
-    StateError, StateHeader, StateIdentity, StateInfo, StateItem, StateSource,
+    StateError, StateHeader, StateIdentity, StateInfo, StateItem, StateSource, BODY_SCALAR,
+    BODY_TRELLIS, CHECKSUM_BYTES, FORMAT_VERSION, ROTATION_HADAMARD, SINK_F16, SINK_INHERIT,
+    STAGING_F16, STAGING_TQ6_0, STATE_HEADER_BYTES, STATE_MAGIC, STATE_VERSION,
 };

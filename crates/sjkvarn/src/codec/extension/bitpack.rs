@@ -48,6 +48,7 @@ pub fn unpack(packed: &[u8], bits: u32, out: &mut [u8]) {
 }
 
 /// Reads code `index` directly (random access, as a GPU thread would).
+#[cfg(test)]
 pub fn code_at(packed: &[u8], bits: u32, index: usize) -> u8 {
     let bit = index * bits as usize;
     let byte = bit / 8;

@@ -3,7 +3,7 @@
 //! sealing of many records, and the bit packing its payloads use. Every byte layout is in the
 //! repository's `docs/formats.md`.
 
-pub mod balance;
-pub mod bitpack;
+pub(crate) mod balance;
+pub(crate) mod bitpack;
 pub mod body;
 pub mod records;
