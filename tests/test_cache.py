@@ -260,6 +260,7 @@ def test_saved_config_survives_load_fork_and_moves(tmp_path) -> None:  # type: i
         passes=8,
         staging="q8_0",
         centre_keys=True,
+        exact_recent=16,
         sink=192,
     )
     cache = Cache(cfg)
