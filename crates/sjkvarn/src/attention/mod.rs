@@ -1042,6 +1042,36 @@ mod tests {
     use crate::simd::detected_level;
     use std::sync::Arc;
 
+    /// One layer of `q_heads` over `kv_heads` of `d` under `coding`, a 256/512 tail, filled
+    /// with `tokens` Gaussian positions in the journal's own ubatches.
+    fn filled(
+        q_heads: usize,
+        kv_heads: usize,
+        d: usize,
+        coding: LayerCoding,
+        tokens: usize,
+        rng: &mut SplitMix64,
+    ) -> Sequence {
+        let mut c = CacheConfig::uniform(1, q_heads, kv_heads, d, coding, tokens + 1000);
+        (c.min_tail, c.max_tail) = (256, 512);
+        let cfg = Arc::new(c);
+        let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
+        let per_pos = kv_heads * d;
+        while seq.len(0).unwrap() < tokens {
+            let n = seq
+                .chunk_limit(0)
+                .unwrap()
+                .min(tokens - seq.len(0).unwrap());
+            seq.append(0, &rng.gaussians(n * per_pos), &rng.gaussians(n * per_pos))
+                .unwrap();
+        }
+        seq
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     /// Every instruction-set level this CPU has gives the same bits, for decode and prefill
     /// rows, over sink, scalar or trellis records and the ring.
     #[test]
@@ -1057,27 +1087,15 @@ mod tests {
             ..LayerCoding::scalar(3, 2)
         };
         for coding in [LayerCoding::scalar(4, 4), trellis] {
-            let mut c = CacheConfig::uniform(1, 8, 2, 128, coding, 6000);
-            (c.min_tail, c.max_tail) = (256, 512);
-            let cfg = Arc::new(c);
-            let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
             let mut rng = SplitMix64::new(5);
-            while seq.len(0).unwrap() < 5000 {
-                let n = seq.chunk_limit(0).unwrap().min(5000 - seq.len(0).unwrap());
-                seq.append(0, &rng.gaussians(n * 256), &rng.gaussians(n * 256))
-                    .unwrap();
-            }
+            let seq = filled(8, 2, 128, coding, 5000, &mut rng);
             assert!(seq.memory().sealed_tokens > 2 * CHUNK);
             for rows in [1usize, 37] {
                 let q = rng.gaussians(rows * 8 * 128);
                 let want = attend_at(SimdLevel::Portable, &seq, 0, &q, None, None).unwrap();
                 for &level in &levels {
                     let got = attend_at(level, &seq, 0, &q, None, None).unwrap();
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{level:?}, {rows} rows");
+                    assert!(same_bits(&want, &got), "{level:?}, {rows} rows");
                 }
             }
         }
@@ -1100,15 +1118,7 @@ mod tests {
         let mut rng = SplitMix64::new(17);
         let mut cases = Vec::new();
         for (d, coding) in [(128, LayerCoding::scalar(4, 4)), (64, trellis)] {
-            let mut c = CacheConfig::uniform(1, 4, 2, d, coding, 3000);
-            (c.min_tail, c.max_tail) = (256, 512);
-            let cfg = Arc::new(c);
-            let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
-            while seq.len(0).unwrap() < 2500 {
-                let n = seq.chunk_limit(0).unwrap().min(2500 - seq.len(0).unwrap());
-                seq.append(0, &rng.gaussians(n * 2 * d), &rng.gaussians(n * 2 * d))
-                    .unwrap();
-            }
+            let seq = filled(4, 2, d, coding, 2500, &mut rng);
             assert!(seq.memory().sealed_tokens > 0);
             let q = rng.gaussians(3 * 4 * d);
             cases.push((seq, q));
@@ -1121,11 +1131,7 @@ mod tests {
             for round in 0..3 {
                 for ((seq, q), want) in cases.iter().zip(&first).rev() {
                     let got = attend(seq, 0, q, None).unwrap();
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "round {round}");
+                    assert!(same_bits(want, &got), "round {round}");
                 }
             }
         });
@@ -1151,16 +1157,8 @@ mod tests {
             .num_threads(3)
             .build()
             .unwrap();
-        let mut c = CacheConfig::uniform(1, 6, 3, 64, LayerCoding::scalar(4, 4), 6000);
-        (c.min_tail, c.max_tail) = (256, 512);
-        let cfg = Arc::new(c);
-        let mut seq = Sequence::new(cfg.clone(), Sequence::pool_for(&cfg, 1)).unwrap();
         let mut rng = SplitMix64::new(23);
-        while seq.len(0).unwrap() < 5000 {
-            let n = seq.chunk_limit(0).unwrap().min(5000 - seq.len(0).unwrap());
-            seq.append(0, &rng.gaussians(n * 3 * 64), &rng.gaussians(n * 3 * 64))
-                .unwrap();
-        }
+        let seq = filled(6, 3, 64, LayerCoding::scalar(4, 4), 5000, &mut rng);
         for rows in [1usize, 9] {
             let q = rng.gaussians(rows * 6 * 64);
             let want = attend(&seq, 0, &q, None).unwrap();
@@ -1171,11 +1169,7 @@ mod tests {
                     .unwrap();
                 let outside = attend_with_threads(&seq, 0, &q, None, Some(threads)).unwrap();
                 for got in [inside, outside] {
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{threads} threads, {rows} rows");
+                    assert!(same_bits(&want, &got), "{threads} threads, {rows} rows");
                 }
             }
         }
