@@ -18,7 +18,8 @@ Usage: python benches/attention_cpu.py [--tokens 4096 16384 32768 65536] [--thre
 
 ``--journals``: ``default`` is ``Config()``'s journal, ``reference`` ``Config.reference()``'s,
 and a staging spec (``q8_0/tq6_0``, optionally ``+centred``) that staging over the default
-tails, keys as appended unless ``+centred``; several run side by side in the same process.
+tails, keys as appended unless ``+centred``; any of them with ``+wN`` reads the newest ``N``
+positions from exact copies (``exact_recent``); several run side by side in the same process.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def _journal(spec: str) -> dict[str, object]:
     """``Config`` fields of a ``--journals`` entry."""
     import sjkvarn
 
-    if spec == "default":
-        return {}
-    if spec == "reference":
-        return dict(sjkvarn.cache.REFERENCE_JOURNAL)
-    staging, _, centred = spec.partition("+")
-    return dict(staging=staging, centre_keys=centred == "centred")
+    parts = spec.split("+")
+    window = [p for p in parts if p.startswith("w") and p[1:].isdigit()]
+    extra = {"exact_recent": int(window[0][1:])} if window else {}
+    parts = [p for p in parts if p not in window]
+    if parts == ["default"]:
+        return extra
+    if parts == ["reference"]:
+        return {**sjkvarn.cache.REFERENCE_JOURNAL, **extra}
+    return dict(staging=parts[0], centre_keys="centred" in parts[1:], **extra)
 
 
 def _one_process(args: argparse.Namespace) -> list[dict[str, object]]:

@@ -62,7 +62,7 @@ use crate::parallel::run_items;
 use crate::simd::{simd_level, Ahead, SimdLevel};
 use fragment_dots::{fragment_products, FragmentKernel, FragmentScratch, TileGrid, TILE};
 use half::slice::HalfFloatSliceExt;
-use online_softmax::{merge_states, Softmax};
+use online_softmax::{merge_states, pairwise, Softmax};
 use ring_q8::q8_value_sums;
 use ring_tq6::{key_scores, value_sums, FixedQueries, RingKernel};
 use std::cell::RefCell;
@@ -1001,11 +1001,7 @@ fn fold_window(ctx: &Queries, kvh: usize, states: &mut [Softmax]) {
             .zip(keys[t0 * d..].chunks_exact(d))
             .take(count)
         {
-            let mut s = 0.0f32;
-            for (a, b) in q.iter().zip(k) {
-                s += a * b;
-            }
-            *l = s * ctx.scale;
+            *l = lane_dot(q, k) * ctx.scale;
         }
         part[0].clear();
         part[0].fold(&logits, count, &mut weights);
@@ -1020,6 +1016,19 @@ fn fold_window(ctx: &Queries, kvh: usize, states: &mut [Softmax]) {
         }
         merge_states(std::slice::from_mut(state), &part);
     }
+}
+
+/// `a . b` in 16 lanes over ascending 16-value chunks, then [`pairwise`]: a fixed order that
+/// vectorises (`a.len()` is a head width, a multiple of 16).
+#[inline(always)]
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    for (ca, cb) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        for l in 0..16 {
+            lanes[l] += ca[l] * cb[l];
+        }
+    }
+    pairwise(&mut lanes)
 }
 
 /// The error of scores that left the f32 range: names the largest `scale * |q_row|`.
