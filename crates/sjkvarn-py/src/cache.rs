@@ -8,7 +8,7 @@ use crate::shared::Shared;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::attention::attend_with_threads;
-use sjkvarn::cache::pool::PoolStats;
+use sjkvarn::cache::PoolStats;
 use sjkvarn::cache::{
     CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,
 };
@@ -124,7 +124,7 @@ fn build_config(
     (staging, staging_budget): (&str, Option<f32>),
 ) -> PyResult<CacheConfig> {
     let (k_staging, v_staging, auto_staging) =
-        sjkvarn::cache::config::parse_staging(staging, staging_budget).map_err(err)?;
+        sjkvarn::cache::parse_staging(staging, staging_budget).map_err(err)?;
     let layer_coding = layer_coding
         .iter()
         .map(|(k, v, kb, vb)| {
@@ -505,7 +505,7 @@ impl Cache {
                     let d = PyDict::new(py);
                     d.set_item("k", p.k.name())?;
                     d.set_item("v", p.v.name())?;
-                    let names: Vec<&str> = sjkvarn::cache::auto_staging::CANDIDATES
+                    let names: Vec<&str> = sjkvarn::cache::STAGING_CANDIDATES
                         .iter()
                         .map(|c| c.name())
                         .collect();

@@ -166,7 +166,7 @@ impl std::fmt::Display for Staging {
 
 /// The ring staging a user writes: `"tq6_0"`, `"q8_0"`, `"f16"` (keys and values), `"K/V"`
 /// (e.g. `"q8_0/tq6_0"`: keys and values apart) or `"auto"` (each layer measures its own first
-/// rows; `budget` defaults to [`super::auto_staging::DEFAULT_BUDGET`]). Returns the K and V
+/// rows; `budget` defaults to [`super::DEFAULT_STAGING_BUDGET`]). Returns the K and V
 /// staging and the auto budget.
 pub fn parse_staging(
     spec: &str,
@@ -252,7 +252,7 @@ pub struct CacheConfig {
     pub v_staging: Staging,
     /// `Some(budget)`: every layer picks its own K and V staging at its first append, the
     /// smallest type whose measured error stays within `budget` (see
-    /// [`super::auto_staging`]).
+    /// [`super::StagingPick`]).
     pub auto_staging: Option<f32>,
     /// Leading positions kept exact (the reference's `sink`: a non-zero multiple of 64).
     pub sink: usize,

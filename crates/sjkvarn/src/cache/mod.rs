@@ -1,28 +1,34 @@
 //! The journaled KV cache: a 128-token fp16 sink, a staging ring of recent tokens, and sealed
 //! 128-token body records in a record pool shared by many sequences.
 //!
-//! * [`config`]: geometry, per-layer coding, tail sizes, staging precision; validated.
-//! * [`pool`]: fixed-size, reference-counted record slots shared across sequences.
+//! * `config` ([`CacheConfig`]): geometry, per-layer coding, tail sizes, staging precision;
+//!   validated.
+//! * `pool` ([`RecordPool`]): fixed-size, reference-counted record slots shared across
+//!   sequences.
 //! * [`staging`]: how ring rows are stored (`tq6_0`, `q8_0` or fp16, keys and values apart).
-//! * [`auto_staging`]: `staging = "auto"`, each layer's pick measured on its own rows.
+//! * `auto_staging` ([`StagingPick`]): `staging = "auto"`, each layer's pick measured on its
+//!   own rows.
 //! * `sequence` ([`Sequence`]): one sequence's journal per layer: append, seal, truncate, fork, accounting.
 //! * [`snapshot`]: versioned, checksummed save and load.
 
-pub mod auto_staging;
-pub mod config;
+pub(crate) mod auto_staging;
+pub(crate) mod config;
 pub(crate) mod exact_window;
 #[doc(hidden)]
 pub mod faults;
-pub mod pool;
+pub(crate) mod pool;
 pub(crate) mod sequence;
 pub mod snapshot;
 pub mod staging;
 
-pub use config::{
-    CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL, MAX_EXACT_RECENT,
-    REFERENCE_JOURNAL, SINK,
+pub use auto_staging::{
+    StagingPick, CANDIDATES as STAGING_CANDIDATES, DEFAULT_BUDGET as DEFAULT_STAGING_BUDGET,
 };
-pub use pool::RecordPool;
+pub use config::{
+    parse_staging, CacheConfig, JournalPreset, LayerCoding, SinkType, Staging, DEFAULT_JOURNAL,
+    MAX_EXACT_RECENT, MAX_TOKENS, REFERENCE_JOURNAL, SINK,
+};
+pub use pool::{PoolStats, RecordPool, SlotId};
 pub use sequence::{LayerImage, MemoryReport, Sequence};
 
 /// Errors of the cache layer.
