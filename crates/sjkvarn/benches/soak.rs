@@ -239,7 +239,7 @@ fn save_concurrently(live: &[Option<Live>], start: usize, dir: &Path) -> bool {
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()
-                .ends_with(sjkvarn::atomic_file::TEMP_SUFFIX)
+                .ends_with(sjkvarn::cache::snapshot::TEMP_SUFFIX)
         })
         .count();
     assert_eq!(left, 0, "temporary files left behind");

@@ -135,7 +135,8 @@ pub fn replace_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>)
     result
 }
 
-/// Replaces `path` with `bytes`; see [`replace_with`].
+/// Replaces `path` with `bytes`; see [`replace_with`] (the CUDA backend's PTX cache).
+#[cfg(any(feature = "cuda", test))]
 pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace_with(path, |f| f.write_all(bytes))
 }

@@ -54,7 +54,7 @@
 //! shell: configuration, sequences, record pool, snapshots), [`attention`] (the CPU kernels);
 //! `examples/serve.rs` shows a server loop over many sequences.
 
-pub mod atomic_file;
+pub(crate) mod atomic_file;
 pub mod attention;
 pub mod backend;
 pub mod cache;

@@ -15,7 +15,7 @@
 //! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
 //! `b"SJKVSNAP"`, `version: u32` (3; 2 is read too), `payload_len: u64`, payload = configuration block then per
 //! layer `len: u64` and its `SJKVSEQ` stream, `fnv1a64(everything before): u64`. Version-1 files (written before the reference format) are refused with what to do.
-//! Files are replaced through [`crate::atomic_file`] (a private temporary, fsync, rename,
+//! Files are replaced through `atomic_file` (a private temporary, fsync, rename,
 //! directory fsync), so an interrupted save never replaces a good file.
 
 use super::auto_staging::StagingPick;
@@ -32,6 +32,10 @@ use half::f16;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
+
+/// The name ending of a save's temporary file (`.NAME.<pid>-<n>-<t>` plus this, beside the
+/// target): one a killed process left is removed by the next save to the same path.
+pub use crate::atomic_file::TEMP_SUFFIX;
 
 const MAGIC: &[u8; 8] = b"SJKVSNAP";
 /// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream;
@@ -627,7 +631,7 @@ impl Sequence {
         Ok(out)
     }
 
-    /// Writes the snapshot to `path` atomically and durably ([`crate::atomic_file`]): a
+    /// Writes the snapshot to `path` atomically and durably: a
     /// temporary of this call's own, fsync, rename, directory fsync. Concurrent saves (of one
     /// path or of paths sharing a stem) never mix: each file holds one whole snapshot.
     pub fn save(&self, path: &Path) -> CacheResult<()> {
