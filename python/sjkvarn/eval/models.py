@@ -70,12 +70,18 @@ def _from_pretrained(folder: str, **kw: Any) -> tuple[Any, Any]:
     return net, tokenizer
 
 
-def _load_gemma() -> tuple[Any, Any]:
-    """Gemma 3 270M from the converted copy, converting the GGUF once."""
-    converted = cache_folder() / "gemma3-270m"
+_CONVERTED = {"gemma3": "gemma3-270m", "smollm2": "smollm2-135m"}
+
+
+def converted_folder(name: str) -> Path:
+    """A plain float32 Hugging Face folder of a known model (what engines such as vLLM load),
+    converted from its GGUF on first use and kept under :func:`cache_folder`."""
+    if name not in _CONVERTED:
+        raise ModelNotFound(f"no converted copy for {name!r}; known: {', '.join(_CONVERTED)}")
+    converted = cache_folder() / _CONVERTED[name]
     if (converted / "config.json").exists() and (converted / "tokenizer_config.json").exists():
-        return _from_pretrained(str(converted))
-    gguf = gemma_gguf()
+        return converted
+    gguf = gemma_gguf() if name == "gemma3" else default_gguf()
     net, tok = _from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     import shutil
 
@@ -90,7 +96,12 @@ def _load_gemma() -> tuple[Any, Any]:
     tok.save_pretrained(partial)
     shutil.rmtree(converted, ignore_errors=True)
     partial.replace(converted)
-    return net, tok
+    return converted
+
+
+def _load_gemma() -> tuple[Any, Any]:
+    """Gemma 3 270M from the converted copy, converting the GGUF once."""
+    return _from_pretrained(str(converted_folder("gemma3")))
 
 
 def load(model: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:

@@ -1,0 +1,261 @@
+"""vLLM's attention backend interface over :class:`sjkvarn.vllm.paged.PagedJournal`.
+
+The class stands in for vLLM's ``CPU_ATTN`` (the CPU platform always picks that name) and is
+registered as ``CUSTOM``. With ``--attention-backend CUSTOM`` it packs each 128-token block
+into SJ-KVaRN records; otherwise every method defers to vLLM's own CPU backend, so installing
+sjkvarn changes nothing for engines that do not ask for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.attention.backend import AttentionType, MultipleOf
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from sjkvarn.errors import InvalidInputError
+from sjkvarn.vllm.paged import BLOCK, PagedJournal, PagedSettings, page_state_bytes
+
+# Under vLLM's logger, so that its handlers and format (and VLLM_LOGGING_LEVEL) apply.
+logger = logging.getLogger("vllm.sjkvarn")
+
+_HEAD_SIZES = (64, 128, 256, 512)
+
+
+def settings_for(vllm_config: Any) -> PagedSettings | None:
+    """sjkvarn's settings when the engine selected the ``CUSTOM`` backend, else None.
+
+    Settings come from ``additional_config["sjkvarn"]``; that key without the ``CUSTOM``
+    backend is a configuration vLLM would silently ignore, so it raises."""
+    if vllm_config is None:
+        return None
+    extra = vllm_config.additional_config
+    given = extra.get("sjkvarn") if isinstance(extra, dict) else None
+    chosen = vllm_config.attention_config.backend == AttentionBackendEnum.CUSTOM
+    if given is not None and not chosen:
+        raise InvalidInputError(
+            'additional_config["sjkvarn"] is set but the attention backend is not CUSTOM: '
+            "pass --attention-backend CUSTOM (or attention_config={'backend': 'CUSTOM'})"
+        )
+    if not chosen:
+        return None
+    if given is not None and not isinstance(given, dict):
+        raise InvalidInputError(
+            f'additional_config["sjkvarn"] must be a mapping, got {type(given).__name__}'
+        )
+    return PagedSettings.from_dict(given)
+
+
+# The settings of the sjkvarn engine in this process, remembered when its layers are built:
+# vLLM asks some backend class methods (the page spec) under another (default) config.
+_engine_settings: list[PagedSettings | None] = [None]
+
+
+def _active() -> PagedSettings | None:
+    settings = settings_for(get_current_vllm_config_or_none())
+    if settings is not None:
+        _engine_settings[0] = settings
+    return _engine_settings[0]
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Refuses engine settings the journal cannot honour, at startup."""
+    cache = vllm_config.cache_config
+    if cache.block_size is not None and cache.block_size != BLOCK:
+        raise InvalidInputError(
+            f"sjkvarn needs --block-size {BLOCK} (one block = one sealed record), "
+            f"got {cache.block_size}"
+        )
+    if cache.cache_dtype not in ("auto", None):
+        raise InvalidInputError(
+            f"sjkvarn codes the KV cache itself: leave --kv-cache-dtype auto, got "
+            f"{cache.cache_dtype!r}"
+        )
+    if str(vllm_config.device_config.device_type) != "cpu":
+        raise InvalidInputError(
+            "sjkvarn's vLLM backend runs on vLLM's CPU platform in this release "
+            f"(device {vllm_config.device_config.device_type!r})"
+        )
+
+
+class SjkvarnAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU backend, or, when ``CUSTOM`` is selected, attention over SJ-KVaRN pages."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        if _active() is None:
+            return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+        return [BLOCK]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        if _active() is None:
+            return super().get_preferred_block_size(default_block_size)
+        return BLOCK
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        if _active() is None:
+            return super().get_supported_head_sizes()
+        return list(_HEAD_SIZES)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        settings = _active()
+        if settings is None:
+            return super().customize_spec(spec)
+        if spec.block_size < BLOCK:
+            # vLLM sizes sliding-window pages per token first; the journal has no per-token
+            # page, so such probes keep vLLM's own size.
+            return super().customize_spec(spec)
+        if spec.head_size not in _HEAD_SIZES or spec.head_size_v != spec.head_size:
+            raise InvalidInputError(
+                f"sjkvarn codes head sizes {_HEAD_SIZES} (K and V alike), got "
+                f"{spec.head_size}/{spec.head_size_v}"
+            )
+        state = page_state_bytes(settings, spec.head_size, spec.dtype)
+        return replace(spec, tokens_per_state=BLOCK, state_content_bytes=state)
+
+    @staticmethod
+    def get_impl_cls() -> type[SjkvarnAttentionImpl]:
+        return SjkvarnAttentionImpl
+
+
+class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
+    """One attention layer: its :class:`PagedJournal` when sjkvarn is selected."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
+        self.journal: PagedJournal | None = None
+        vllm_config = get_current_vllm_config_or_none()
+        settings = settings_for(vllm_config)
+        if settings is None:
+            return
+        _engine_settings[0] = settings
+        check_engine(vllm_config)
+        refused = {
+            "an attention type other than decoder": attn_type != AttentionType.DECODER,
+            "ALiBi slopes": alibi_slopes is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            "attention sinks (s_aux)": sinks is not None,
+            "KV sharing across layers": kv_sharing_target_layer_name is not None,
+        }
+        for what, present in refused.items():
+            if present:
+                raise InvalidInputError(f"sjkvarn's vLLM backend does not support {what}")
+        if head_size not in _HEAD_SIZES:
+            raise InvalidInputError(f"sjkvarn codes head sizes {_HEAD_SIZES}, got {head_size}")
+        self.journal = PagedJournal(
+            settings,
+            num_kv_heads,
+            head_size,
+            vllm_config.model_config.dtype,
+            sliding_window=sliding_window,
+        )
+        logger.info(
+            "sjkvarn: layer with %d/%d heads of %d, %s, %d bytes per head per block%s",
+            num_heads,
+            num_kv_heads,
+            head_size,
+            "lossless"
+            if settings.lossless
+            else f"{settings.body} {settings.k_bits}/{settings.v_bits}",
+            self.journal.state_bytes,
+            f", sliding window {sliding_window}" if sliding_window else "",
+        )
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if self.journal is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        n = slot_mapping.shape[0]
+        self.journal.write(kv_cache, key[:n], value[:n], slot_mapping)
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.journal is None:
+            return super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
+        if attn_metadata is None:  # warm-up
+            return output
+        if output_scale is not None or output_block_scale is not None:
+            raise InvalidInputError("sjkvarn's vLLM backend has no fused output quantization")
+        n = attn_metadata.num_actual_tokens
+        reqs = attn_metadata.seq_lens.shape[0]
+        starts = attn_metadata.query_start_loc[: reqs + 1].tolist()
+        lens = attn_metadata.seq_lens.tolist()
+        table = attn_metadata.block_table[:reqs]
+        result = self.journal.attend(
+            kv_cache,
+            query[:n].view(n, self.num_heads, self.head_size),
+            starts,
+            lens,
+            table,
+            self.scale,
+        )
+        output[:n].view(n, self.num_heads, self.head_size).copy_(result)
+        first = {int(b) for b, length in zip(table[:, 0].tolist(), lens, strict=True) if length > 0}
+        self.journal.forget(first)
+        return output

@@ -1,0 +1,378 @@
+"""The SJ-KVaRN journal over an engine's paged KV blocks (vLLM's, or any block-table engine).
+
+One engine block of ``BLOCK`` (128) tokens is one sealed body group: its page holds one body
+record per KV head (K and V of 128 tokens, ``codec.body_layout``), written once, when the
+block's last row arrives. Until then the block's rows are held exact (fp16) beside the pages;
+the first block of a sequence (the *sink*) stays exact for as long as room allows.
+
+Each query reads, at its own position ``p``: its own block (positions ``128*(p//128)..p``) and
+the sink exact, every other full block from its record. What a position sees therefore depends
+only on the tokens before it, never on how the engine chunked the prefill or which request
+computed a shared block first: prefix caching, chunked prefill and preemption-with-recompute
+give the same outputs as one uninterrupted run.
+
+This module needs torch and nothing from vLLM; ``sjkvarn.vllm.backend`` plugs it into vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from sjkvarn import _core
+from sjkvarn.codec import body_layout
+from sjkvarn.errors import InvalidInputError
+
+BLOCK: int = _core.GROUP
+"""Tokens per engine block: one sealed body group."""
+
+_BODIES = ("scalar", "trellis")
+_TRELLIS_BITS = ((3, 3), (3, 2), (2, 2))
+
+
+@dataclass(frozen=True)
+class PagedSettings:
+    """How a paged cache codes its blocks.
+
+    ``k_bits``/``v_bits``/``body``: the record coding (scalar 2..4 bits, or the reference
+    trellis at 3/3, 3/2, 2/2). ``lossless=True`` stores every row in the model's dtype instead
+    (the engine's own layout; for checking the plumbing against the engine's cache).
+    ``sink``: keep the first block exact. ``max_sink_blocks``: exact sink blocks kept per layer
+    (least recently used ones beyond it are read from their records).
+    """
+
+    k_bits: int = 4
+    v_bits: int = 4
+    body: str = "scalar"
+    sink: bool = True
+    lossless: bool = False
+    max_sink_blocks: int = 256
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> PagedSettings:
+        """Settings from a JSON-like mapping (``--additional-config '{"sjkvarn": {...}}'``);
+        unknown keys and bad values raise :class:`sjkvarn.InvalidInputError` naming them."""
+        values = dict(values or {})
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise InvalidInputError(f"unknown sjkvarn setting(s) {unknown}; known: {sorted(known)}")
+        for name, value in values.items():
+            want = bool if name in ("sink", "lossless") else str if name == "body" else int
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise InvalidInputError(
+                    f"sjkvarn setting {name!r} must be {want.__name__}, got {value!r}"
+                )
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.body not in _BODIES:
+            raise InvalidInputError(f"body must be one of {_BODIES}, got {self.body!r}")
+        if self.body == "trellis" and (self.k_bits, self.v_bits) not in _TRELLIS_BITS:
+            raise InvalidInputError(
+                f"trellis bodies code k_bits/v_bits {_TRELLIS_BITS}, got "
+                f"{self.k_bits}/{self.v_bits}"
+            )
+        if self.body == "scalar" and not (2 <= self.k_bits <= 4 and 2 <= self.v_bits <= 4):
+            raise InvalidInputError(
+                f"k_bits and v_bits must be 2..4, got {self.k_bits}/{self.v_bits}"
+            )
+        if self.max_sink_blocks < 0:
+            raise InvalidInputError(
+                f"max_sink_blocks must be at least 0, got {self.max_sink_blocks}"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def page_state_bytes(settings: PagedSettings, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV head's share of a block page: one record, or (lossless) the block's K
+    and V rows in ``dtype``. Raises InvalidInputError for head sizes the codec lacks."""
+    if settings.lossless:
+        return BLOCK * 2 * head_dim * torch.empty((), dtype=dtype).element_size()
+    return body_layout(head_dim, settings.k_bits, settings.v_bits).record_bytes
+
+
+class PagedJournal:
+    """One layer's journal over block pages ``[blocks, kv_heads, 1, state_bytes]`` (any dtype;
+    read as bytes). Call :meth:`write` with the step's new rows, then :meth:`attend`.
+
+    Not thread-safe: an engine runs one layer's steps in order."""
+
+    def __init__(
+        self,
+        settings: PagedSettings,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        sliding_window: int | None = None,
+    ) -> None:
+        settings.check()
+        self.settings = settings
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.state_bytes = page_state_bytes(settings, head_dim, dtype)
+        # Exact rows of open blocks and sinks: block id -> [2, BLOCK, kv_heads, head_dim] fp16.
+        self._open: dict[int, torch.Tensor] = {}
+        self._sealed: set[int] = set()  # blocks of `_open` whose page holds their record
+        self._sinks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._coding = (
+            settings.k_bits,
+            settings.v_bits,
+            16,
+            "final",
+            "std",
+            False,
+            None,
+            settings.body,
+            settings.body,
+        )
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _page_bytes(self, pages: torch.Tensor) -> torch.Tensor:
+        """``pages`` as ``[blocks, kv_heads, state_bytes]`` uint8."""
+        blocks = pages.shape[0]
+        flat = pages.view(torch.uint8).reshape(blocks, -1)
+        if flat.shape[1] != self.kv_heads * self.state_bytes:
+            raise InvalidInputError(
+                f"KV page of {flat.shape[1]} bytes; this layer needs "
+                f"{self.kv_heads} heads x {self.state_bytes} bytes"
+            )
+        return flat.view(blocks, self.kv_heads, self.state_bytes)
+
+    def write(
+        self, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Stores rows ``key``/``value`` (``[tokens, kv_heads, head_dim]``) at engine slots
+        ``block * BLOCK + offset`` (negative slots are padding). A block whose last row arrives
+        is sealed into its page. A write at offset 0 starts the block afresh (the engine reused
+        it); a write into a sealed block (the engine recomputing a cached block's last token)
+        reads the block back from its record and leaves the record as it is."""
+        if not torch.isfinite(key).all() or not torch.isfinite(value).all():
+            raise InvalidInputError("key/value rows hold NaN or Inf")
+        page = self._page_bytes(pages)
+        slots = slots.to(torch.int64)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() == 0:
+            return
+        blocks = torch.div(slots, BLOCK, rounding_mode="floor")
+        offsets = slots - blocks * BLOCK
+        if self.settings.lossless:
+            rows = page.view(page.shape[0], self.kv_heads, 2, BLOCK, -1).view(self.dtype)
+            rows = rows.view(page.shape[0], self.kv_heads, 2, BLOCK, self.head_dim)
+            rows[blocks, :, 0, offsets] = key.to(self.dtype)
+            rows[blocks, :, 1, offsets] = value.to(self.dtype)
+            return
+        for block in torch.unique(blocks).tolist():
+            mine = blocks == block
+            offs = offsets[mine]
+            if int(offs.min()) == 0:
+                self._sinks.pop(block, None)
+                self._sealed.discard(block)
+                self._open[block] = torch.zeros(
+                    2, BLOCK, self.kv_heads, self.head_dim, dtype=torch.float16
+                )
+            elif block not in self._open:
+                self._open[block] = self._reopened(page, block)
+                self._sealed.add(block)
+            rows = self._open[block]
+            rows[0, offs] = key[mine].to(torch.float16)
+            rows[1, offs] = value[mine].to(torch.float16)
+            if int(offs.max()) == BLOCK - 1 and block not in self._sealed:
+                self._seal(page, block, rows)
+                self._sealed.add(block)
+
+    def _reopened(self, page: torch.Tensor, block: int) -> torch.Tensor:
+        """Exact rows of a sealed block: its sink copy, else decoded from its record."""
+        sink = self._sinks.get(block)
+        if sink is not None:
+            return sink.clone()
+        k, v = self._decoded(page, [block])
+        return torch.stack([k[0], v[0]]).permute(0, 2, 1, 3).to(torch.float16).contiguous()
+
+    def _seal(self, page: torch.Tensor, block: int, rows: torch.Tensor) -> None:
+        tiles = rows.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [2, kvh, BLOCK, d]
+        record = _core.encode_body(tiles[0], tiles[1], *self._coding[:2], *self._coding[2:])
+        page[block].copy_(
+            torch.frombuffer(bytearray(record), dtype=torch.uint8).view(self.kv_heads, -1)
+        )
+
+    def forget(self, live_sinks: set[int]) -> None:
+        """Drops the exact rows of full blocks that are no sink; keeps ``live_sinks`` (the
+        first blocks of this step's sequences) exact, up to ``max_sink_blocks``."""
+        for block in [b for b in self._open if b in self._sealed]:
+            rows = self._open.pop(block)
+            self._sealed.discard(block)
+            if self.settings.sink and self.window is None and block in live_sinks:
+                self._sinks[block] = rows
+        for block in live_sinks:
+            if block in self._sinks:
+                self._sinks.move_to_end(block)
+        while len(self._sinks) > self.settings.max_sink_blocks:
+            self._sinks.popitem(last=False)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _decoded(self, page: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of sealed ``blocks``, ``[len(blocks), kv_heads, BLOCK, d]`` float32."""
+        n = len(blocks)
+        shape = (n * self.kv_heads, BLOCK, self.head_dim)
+        k = torch.empty(shape, dtype=torch.float32)
+        v = torch.empty(shape, dtype=torch.float32)
+        if n:
+            data = page[torch.tensor(blocks, dtype=torch.int64)].contiguous().numpy().tobytes()
+            _core.decode_body_into(
+                data,
+                k,
+                v,
+                self.settings.k_bits,
+                self.settings.v_bits,
+                False,
+                None,
+                self.settings.body,
+                self.settings.body,
+                16,
+                "final",
+                "std",
+            )
+        return (
+            k.view(n, self.kv_heads, BLOCK, self.head_dim),
+            v.view(n, self.kv_heads, BLOCK, self.head_dim),
+        )
+
+    def _exact(self, block: int) -> torch.Tensor | None:
+        rows = self._open.get(block)
+        return rows if rows is not None else self._sinks.get(block)
+
+    def attend(
+        self,
+        pages: torch.Tensor,
+        query: torch.Tensor,
+        query_start: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each request's new queries (``query[query_start[r]:
+        query_start[r+1]]``, ``[tokens, q_heads, d]``, the last ones of a sequence of
+        ``seq_lens[r]``) over its blocks (``block_table[r]``). Returns ``[tokens, q_heads, d]``
+        float32."""
+        page = self._page_bytes(pages)
+        out = torch.empty(query.shape, dtype=torch.float32)
+        table = block_table.tolist()
+        for r in range(len(seq_lens)):
+            start, end = query_start[r], query_start[r + 1]
+            if end > start:
+                out[start:end] = self._attend_one(
+                    page, query[start:end].to(torch.float32), seq_lens[r], table[r], scale
+                )
+        return out
+
+    def _rows_of(self, page: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lossless pages: K and V rows of one block, ``[kv_heads, BLOCK, d]`` float32."""
+        rows = page[block].view(self.dtype).view(self.kv_heads, 2, BLOCK, self.head_dim)
+        return rows[:, 0].to(torch.float32), rows[:, 1].to(torch.float32)
+
+    def _attend_one(
+        self, page: torch.Tensor, q: torch.Tensor, length: int, table: list[int], scale: float
+    ) -> torch.Tensor:
+        n, qh, d = q.shape
+        first_pos = length - n
+        positions = torch.arange(first_pos, length)
+        lowest = 0 if self.window is None else max(0, first_pos - self.window + 1)
+        first_block = lowest // BLOCK
+        last_block = (length - 1) // BLOCK
+        # Every block the queries may read, as each reads it: records for full blocks, exact
+        # rows for the block each query sits in (and the sink).
+        coded_k: dict[int, torch.Tensor] = {}
+        coded_v: dict[int, torch.Tensor] = {}
+        full = list(range(first_block, last_block))
+        if self.settings.lossless:
+            for j in range(first_block, last_block + 1):
+                coded_k[j], coded_v[j] = self._rows_of(page, table[j])
+        else:
+            sink = self._exact(table[0]) if (self.settings.sink and self.window is None) else None
+            need = [j for j in full if not (j == 0 and sink is not None)]
+            k_dec, v_dec = self._decoded(page, [table[j] for j in need])
+            for i, j in enumerate(need):
+                coded_k[j], coded_v[j] = k_dec[i], v_dec[i]
+            if sink is not None and 0 in full:
+                coded_k[0] = sink[0].permute(1, 0, 2).to(torch.float32)
+                coded_v[0] = sink[1].permute(1, 0, 2).to(torch.float32)
+        out = torch.empty(n, qh, d, dtype=torch.float32)
+        group = qh // self.kv_heads
+        for qb in range(first_pos // BLOCK, last_block + 1):
+            sel = (positions // BLOCK) == qb
+            rows_q = torch.nonzero(sel).flatten()
+            if rows_q.numel() == 0:
+                continue
+            pos_q = positions[rows_q]
+            lo = 0 if self.window is None else max(0, int(pos_q.min()) - self.window + 1)
+            ks, vs = [], []
+            for j in range(lo // BLOCK, qb):
+                ks.append(coded_k[j])
+                vs.append(coded_v[j])
+            if self.settings.lossless:
+                own_k, own_v = coded_k[qb], coded_v[qb]
+            else:
+                own = self._exact(table[qb])
+                if own is None:
+                    raise InvalidInputError(
+                        f"block {table[qb]} (position {qb * BLOCK}) has no rows: it was "
+                        "never written"
+                    )
+                own_k = own[0].permute(1, 0, 2).to(torch.float32)
+                own_v = own[1].permute(1, 0, 2).to(torch.float32)
+            ks.append(own_k)
+            vs.append(own_v)
+            k = torch.cat(ks, dim=1)  # [kvh, T, d]
+            v = torch.cat(vs, dim=1)
+            base = (lo // BLOCK) * BLOCK
+            key_pos = torch.arange(base, base + k.shape[1])
+            mask = key_pos[None, :] <= pos_q[:, None]
+            if self.window is not None:
+                mask &= key_pos[None, :] > pos_q[:, None] - self.window
+            qg = q[rows_q].permute(1, 0, 2).reshape(self.kv_heads, group, -1, d)
+            scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~mask, float("-inf"))
+            weights = torch.softmax(scores, dim=-1)
+            res = torch.matmul(weights, v[:, None])  # [kvh, group, nq, d]
+            out[rows_q] = res.reshape(qh, -1, d).permute(1, 0, 2)
+        return out
+
+
+def blocks_per_gib(
+    settings: PagedSettings, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> float:
+    """Engine blocks (128 tokens each, all layers) that fit in one GiB of pages."""
+    page = layers * kv_heads * page_state_bytes(settings, head_dim, dtype)
+    return 2**30 / page
+
+
+def sequences_per_gib(
+    settings: PagedSettings,
+    tokens: int,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> float:
+    """Sequences of ``tokens`` that fit in one GiB of KV memory: pages plus, unless lossless,
+    the two exact blocks (sink and open block, fp16) each sequence holds beside them."""
+    blocks = math.ceil(tokens / BLOCK)
+    page = layers * kv_heads * page_state_bytes(settings, head_dim, dtype)
+    side = 0 if settings.lossless else 2 * layers * 2 * BLOCK * kv_heads * head_dim * 2
+    return 2**30 / (blocks * page + side)
