@@ -77,6 +77,14 @@ def reference(settings: PagedSettings, k, v, q, window: int | None = None) -> to
     return out
 
 
+def assert_reads_records(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The core's kernels read 4-bit and trellis records in fixed point: at most 3e-4 of the
+    output's size from f32 attention over the decoded rows (the crate's
+    ``sealed_records_attend_as_their_decoded_rows``), per query head."""
+    err = (got - want).abs().amax(dim=(0, 2)) / want.abs().amax(dim=(0, 2))
+    assert float(err.max()) <= 3e-4, f"error {float(err.max()):.2e} of the output"
+
+
 # Outputs that read the same view may differ in the last bits where the queries are batched
 # differently (summation order); 1e-6 is far below the codec's error (~1e-2).
 SAME = {"rtol": 1e-5, "atol": 1e-6}
@@ -110,7 +118,7 @@ def test_matches_reference_for_any_chunking(settings: PagedSettings) -> None:
         journal = PagedJournal(settings, KVH, D, torch.float32)
         pages = pages_for(settings, 10)
         got = run(journal, pages, k, v, q, table, chunks)
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        assert_reads_records(got, want)
 
 
 def test_decode_one_token_at_a_time_matches_prefill() -> None:
@@ -139,6 +147,7 @@ def test_sliding_window() -> None:
     k, v, q = rows(n, 3)
     journal = PagedJournal(settings, KVH, D, torch.float32, sliding_window=200)
     got = run(journal, pages_for(settings, 5), k, v, q, [4, 1, 2, 3], [150, n - 150])
+    # Sliding-window layers read decoded records (float sums).
     torch.testing.assert_close(got, reference(settings, k, v, q, window=200), rtol=2e-5, atol=2e-5)
 
 

@@ -286,6 +286,29 @@ pub fn with_f32_out<'py, T>(
     work(out, &view.shape.clone())
 }
 
+/// Runs `work` on the bytes of a compact CPU tensor of any dtype (pages of records), without
+/// copying them; `shape` is the tensor's.
+pub fn with_bytes<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    work: impl FnOnce(&[u8], &[usize]) -> PyResult<T>,
+) -> PyResult<T> {
+    let view = View::of(obj, what)?;
+    if !view.is_compact() {
+        return Err(invalid(format!("{what}: must be C-contiguous")));
+    }
+    let bytes =
+        view.len() * usize::from(view.dtype.bits).div_ceil(8) * usize::from(view.dtype.lanes);
+    let data: &[u8] = if bytes == 0 {
+        &[]
+    } else {
+        // SAFETY: compact storage of `bytes` bytes owned by the producer and kept alive by the
+        // capsule in `view` for the duration of `work`; it is only read.
+        unsafe { std::slice::from_raw_parts(view.data as *const u8, bytes) }
+    };
+    work(data, &view.shape.clone())
+}
+
 const DL_CUDA: i32 = 2;
 
 /// A compact float32 CUDA tensor borrowed through DLPack: its device address stays valid while

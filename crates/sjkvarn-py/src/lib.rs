@@ -5,6 +5,7 @@ mod cache;
 mod cuda;
 mod dlpack;
 mod errors;
+mod paged;
 mod shared;
 
 use dlpack::{read_f32, with_f32_out};
@@ -325,6 +326,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotate_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(to_float32, m)?)?;
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::attend_paged, m)?)?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     m.add_class::<cache::CacheSpec>()?;

@@ -292,66 +292,128 @@ class PagedJournal:
         n, qh, d = q.shape
         first_pos = length - n
         positions = torch.arange(first_pos, length)
+        out = torch.empty(n, qh, d, dtype=torch.float32)
+        in_place = not self.settings.lossless and self.window is None and page.is_contiguous()
+        decoded = None if in_place else self._coded_blocks(page, first_pos, length, table)
+        for qb in range(first_pos // BLOCK, (length - 1) // BLOCK + 1):
+            lo = max(qb * BLOCK, first_pos) - first_pos
+            hi = min((qb + 1) * BLOCK, length) - first_pos
+            if in_place:
+                out[lo:hi] = self._attend_in_place(page, q[lo:hi], first_pos + lo, qb, table, scale)
+            else:
+                out[lo:hi] = self._attend_decoded(
+                    decoded, q[lo:hi], positions[lo:hi], qb, table, scale
+                )
+        return out
+
+    def _own_rows(self, block: int, qb: int) -> torch.Tensor:
+        own = self._exact(block)
+        if own is None:
+            raise InvalidInputError(
+                f"block {block} (position {qb * BLOCK}) has no rows: it was never written"
+            )
+        return own
+
+    def _attend_in_place(
+        self,
+        page: torch.Tensor,
+        q: torch.Tensor,
+        position: int,
+        qb: int,
+        table: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        """Queries of block ``qb`` through the core's kernels: records read in place from the
+        pages, the sink and the own block from their exact rows."""
+        exact = []
+        blocks = []
+        sink = self._exact(table[0]) if self.settings.sink and qb > 0 else None
+        for j in range(qb):
+            if j == 0 and sink is not None:
+                blocks.append(-1 - len(exact))
+                exact.append(sink)
+            else:
+                blocks.append(table[j])
+        blocks.append(-1 - len(exact))
+        exact.append(self._own_rows(table[qb], qb))
+        rows = torch.stack(exact).to(torch.float32)  # [m, 2, BLOCK, kvh, d]
+        out = torch.empty(q.shape, dtype=torch.float32)
+        _core.attend_paged(
+            page,
+            blocks,
+            rows[:, 0].contiguous(),
+            rows[:, 1].contiguous(),
+            q.contiguous(),
+            out,
+            0,
+            position,
+            scale,
+            q.shape[1],
+            self.kv_heads,
+            self.settings.k_bits,
+            self.settings.v_bits,
+            self.settings.body,
+        )
+        return out
+
+    def _coded_blocks(
+        self, page: torch.Tensor, first_pos: int, length: int, table: list[int]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """K and V (``[kv_heads, BLOCK, d]`` float32) of every full block the queries may read
+        as the journal shows it to later blocks: records decoded, the sink exact."""
         lowest = 0 if self.window is None else max(0, first_pos - self.window + 1)
-        first_block = lowest // BLOCK
-        last_block = (length - 1) // BLOCK
-        # Every block the queries may read, as each reads it: records for full blocks, exact
-        # rows for the block each query sits in (and the sink).
-        coded_k: dict[int, torch.Tensor] = {}
-        coded_v: dict[int, torch.Tensor] = {}
-        full = list(range(first_block, last_block))
+        first_block, last_block = lowest // BLOCK, (length - 1) // BLOCK
+        coded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.settings.lossless:
             for j in range(first_block, last_block + 1):
-                coded_k[j], coded_v[j] = self._rows_of(page, table[j])
+                coded[j] = self._rows_of(page, table[j])
+            return coded
+        full = list(range(first_block, last_block))
+        sink = self._exact(table[0]) if (self.settings.sink and self.window is None) else None
+        need = [j for j in full if not (j == 0 and sink is not None)]
+        k_dec, v_dec = self._decoded(page, [table[j] for j in need])
+        for i, j in enumerate(need):
+            coded[j] = (k_dec[i], v_dec[i])
+        if sink is not None and 0 in full:
+            coded[0] = (
+                sink[0].permute(1, 0, 2).to(torch.float32),
+                sink[1].permute(1, 0, 2).to(torch.float32),
+            )
+        return coded
+
+    def _attend_decoded(
+        self,
+        coded: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        q: torch.Tensor,
+        pos_q: torch.Tensor,
+        qb: int,
+        table: list[int],
+        scale: float,
+    ) -> torch.Tensor:
+        """Queries of block ``qb`` over decoded blocks (lossless pages, sliding windows)."""
+        nq, qh, d = q.shape
+        lo = 0 if self.window is None else max(0, int(pos_q.min()) - self.window + 1)
+        ks = [coded[j][0] for j in range(lo // BLOCK, qb)]
+        vs = [coded[j][1] for j in range(lo // BLOCK, qb)]
+        if self.settings.lossless:
+            own_k, own_v = coded[qb]
         else:
-            sink = self._exact(table[0]) if (self.settings.sink and self.window is None) else None
-            need = [j for j in full if not (j == 0 and sink is not None)]
-            k_dec, v_dec = self._decoded(page, [table[j] for j in need])
-            for i, j in enumerate(need):
-                coded_k[j], coded_v[j] = k_dec[i], v_dec[i]
-            if sink is not None and 0 in full:
-                coded_k[0] = sink[0].permute(1, 0, 2).to(torch.float32)
-                coded_v[0] = sink[1].permute(1, 0, 2).to(torch.float32)
-        out = torch.empty(n, qh, d, dtype=torch.float32)
+            own = self._own_rows(table[qb], qb)
+            own_k = own[0].permute(1, 0, 2).to(torch.float32)
+            own_v = own[1].permute(1, 0, 2).to(torch.float32)
+        k = torch.cat([*ks, own_k], dim=1)  # [kvh, T, d]
+        v = torch.cat([*vs, own_v], dim=1)
+        base = (lo // BLOCK) * BLOCK
+        key_pos = torch.arange(base, base + k.shape[1])
+        mask = key_pos[None, :] <= pos_q[:, None]
+        if self.window is not None:
+            mask &= key_pos[None, :] > pos_q[:, None] - self.window
         group = qh // self.kv_heads
-        for qb in range(first_pos // BLOCK, last_block + 1):
-            sel = (positions // BLOCK) == qb
-            rows_q = torch.nonzero(sel).flatten()
-            if rows_q.numel() == 0:
-                continue
-            pos_q = positions[rows_q]
-            lo = 0 if self.window is None else max(0, int(pos_q.min()) - self.window + 1)
-            ks, vs = [], []
-            for j in range(lo // BLOCK, qb):
-                ks.append(coded_k[j])
-                vs.append(coded_v[j])
-            if self.settings.lossless:
-                own_k, own_v = coded_k[qb], coded_v[qb]
-            else:
-                own = self._exact(table[qb])
-                if own is None:
-                    raise InvalidInputError(
-                        f"block {table[qb]} (position {qb * BLOCK}) has no rows: it was "
-                        "never written"
-                    )
-                own_k = own[0].permute(1, 0, 2).to(torch.float32)
-                own_v = own[1].permute(1, 0, 2).to(torch.float32)
-            ks.append(own_k)
-            vs.append(own_v)
-            k = torch.cat(ks, dim=1)  # [kvh, T, d]
-            v = torch.cat(vs, dim=1)
-            base = (lo // BLOCK) * BLOCK
-            key_pos = torch.arange(base, base + k.shape[1])
-            mask = key_pos[None, :] <= pos_q[:, None]
-            if self.window is not None:
-                mask &= key_pos[None, :] > pos_q[:, None] - self.window
-            qg = q[rows_q].permute(1, 0, 2).reshape(self.kv_heads, group, -1, d)
-            scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale
-            scores = scores.masked_fill(~mask, float("-inf"))
-            weights = torch.softmax(scores, dim=-1)
-            res = torch.matmul(weights, v[:, None])  # [kvh, group, nq, d]
-            out[rows_q] = res.reshape(qh, -1, d).permute(1, 0, 2)
-        return out
+        qg = q.permute(1, 0, 2).reshape(self.kv_heads, group, nq, d)
+        scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        res = torch.matmul(torch.softmax(scores, dim=-1), v[:, None])  # [kvh, group, nq, d]
+        return res.reshape(qh, nq, d).permute(1, 0, 2)
 
 
 def blocks_per_gib(

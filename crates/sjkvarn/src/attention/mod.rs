@@ -46,6 +46,7 @@ fn value_operands_fit(
 
 mod fragment_dots;
 mod online_softmax;
+mod paged;
 mod ring_q8;
 mod ring_tq6;
 pub(crate) mod tile_gemm;
@@ -68,6 +69,8 @@ use ring_tq6::{key_scores, value_sums, FixedQueries, RingKernel};
 use std::cell::RefCell;
 use tile_gemm::{dot, dots, product, product_from, MAX_ROWS};
 use word_dots::{word_products, WordKernel, WordScratch, WordSum};
+
+pub use paged::{attend_paged, PagedBlock};
 
 /// Positions per split-K chunk: the unit of parallel work along the context. Fixed (never
 /// derived from the thread count or the call), so results do not depend on scheduling.
