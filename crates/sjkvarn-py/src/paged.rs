@@ -63,7 +63,7 @@ pub(crate) fn attend_paged(
     .map_err(errors::codec)?;
     with_bytes(pages, "pages", |bytes, shape| {
         let count = shape.first().copied().unwrap_or(0);
-        let page = if count == 0 { 0 } else { bytes.len() / count };
+        let page = bytes.len().checked_div(count).unwrap_or(0);
         let exact = ek.values.len() / exact_rows.max(1);
         let mut list = Vec::with_capacity(blocks.len());
         for &b in &blocks {

@@ -25,6 +25,7 @@ pub enum PagedBlock<'a> {
 /// positions `query_position..` over `blocks`, block `i` holding positions
 /// `first_position + 128 i ..`. Causal: each row sees the positions up to its own. Scores use
 /// `scale`. Returns `[n][q_heads][head_dim]`.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_paged(
     codec: &BodyCodec,
     q_heads: usize,
