@@ -57,6 +57,7 @@ def settings_for(vllm_config: Any) -> PagedSettings | None:
 # The settings of the sjkvarn engine in this process, remembered when its layers are built:
 # vLLM asks some backend class methods (the page spec) under another (default) config.
 _engine_settings: list[PagedSettings | None] = [None]
+_logged = [False]
 
 
 def _active() -> PagedSettings | None:
@@ -189,17 +190,18 @@ class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
             vllm_config.model_config.dtype,
             sliding_window=sliding_window,
         )
-        logger.info(
-            "sjkvarn: layer with %d/%d heads of %d, %s, %d bytes per head per block%s",
-            num_heads,
-            num_kv_heads,
-            head_size,
-            "lossless"
-            if settings.lossless
-            else f"{settings.body} {settings.k_bits}/{settings.v_bits}",
-            self.journal.state_bytes,
-            f", sliding window {sliding_window}" if sliding_window else "",
-        )
+        if not _logged[0]:
+            _logged[0] = True
+            element = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+            plain = 2 * BLOCK * head_size * element
+            logger.info(
+                "sjkvarn: %s pages, %d bytes per KV head per block (%.2fx the model dtype's)",
+                "lossless"
+                if settings.lossless
+                else f"{settings.body} {settings.k_bits}/{settings.v_bits}",
+                self.journal.state_bytes,
+                plain / self.journal.state_bytes,
+            )
 
     def do_kv_cache_update(
         self,
