@@ -842,17 +842,8 @@ fn attend_at(
         }
     }
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let mut q_rot = q.to_vec();
-    rotate_rows(&mut q_rot, d)?;
-    // A finite query whose rotation, or its product with the scale, leaves f32 would feed
-    // the kernels infinities (their fixed-point sums would be meaningless, not just NaN).
-    if q_rot
-        .iter()
-        .any(|x| !x.is_finite() || !(x * scale).is_finite())
-    {
-        return Err(score_overflow(q, d, scale));
-    }
     let gs = cfg.group_size();
+    let by_head = rotated_by_head(q, qh, kvh, d, scale)?;
     let base = lj.len - n;
     let codec = cfg.body_codec(layer)?;
     let r = codec.half_width();
@@ -873,15 +864,6 @@ fn attend_at(
     // scheduled. Small calls (decode) run every item in parallel and merge afterwards; large
     // ones (prefill, whose states are large) run one task per head over its chunks in order.
     let chunks = lj.len.div_ceil(CHUNK);
-    // Queries regrouped by KV head: `[kv_heads][n][gs][d]`, so a head's pairs are contiguous.
-    let mut by_head = vec![0.0f32; q_rot.len()];
-    for i in 0..n {
-        for h in 0..kvh {
-            let from = (i * qh + h * gs) * d;
-            let to = ((h * n + i) * gs) * d;
-            by_head[to..to + gs * d].copy_from_slice(&q_rot[from..from + gs * d]);
-        }
-    }
     let head_len = n * gs * d;
     let ctx_of = |h: usize| Queries {
         rotated: &by_head[h * head_len..(h + 1) * head_len],
@@ -951,20 +933,65 @@ fn attend_at(
         if cfg.exact_recent > 0 {
             fold_window(&ctx_of(h), kvh, &mut states);
         }
-        for (p, st) in states.iter().enumerate() {
-            let (i, j) = (p / gs, p % gs);
-            let o = &mut out[(i * qh + h * gs + j) * d..(i * qh + h * gs + j + 1) * d];
-            o.copy_from_slice(&st.acc);
-            rotate_rows(o, d)?;
-            let inv = 1.0 / st.sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-        }
+        write_head(&states, h, gs, qh, d, &mut out)?;
     }
     // Keys and queries are finite, so a non-finite output means the scores overflowed.
     if out.iter().any(|x| !x.is_finite()) {
         return Err(score_overflow(q, d, scale));
     }
     Ok(out)
+}
+
+/// The queries `[n][q_heads][d]` rotated and regrouped by KV head, `[kv_heads][n][gs][d]`, so
+/// a head's pairs are contiguous. A finite query whose rotation, or its product with the
+/// scale, leaves f32 would feed the kernels infinities (their fixed-point sums would be
+/// meaningless, not just NaN): that is refused.
+fn rotated_by_head(
+    q: &[f32],
+    qh: usize,
+    kvh: usize,
+    d: usize,
+    scale: f32,
+) -> CacheResult<Vec<f32>> {
+    let mut q_rot = q.to_vec();
+    rotate_rows(&mut q_rot, d)?;
+    if q_rot
+        .iter()
+        .any(|x| !x.is_finite() || !(x * scale).is_finite())
+    {
+        return Err(score_overflow(q, d, scale));
+    }
+    let (n, gs) = (q.len() / (qh * d), qh / kvh);
+    let mut by_head = vec![0.0f32; q_rot.len()];
+    for i in 0..n {
+        for h in 0..kvh {
+            let from = (i * qh + h * gs) * d;
+            let to = ((h * n + i) * gs) * d;
+            by_head[to..to + gs * d].copy_from_slice(&q_rot[from..from + gs * d]);
+        }
+    }
+    Ok(by_head)
+}
+
+/// Writes KV head `h`'s pair states into `out` (`[n][q_heads][d]`): normalised, rotated back
+/// to the model frame.
+fn write_head(
+    states: &[Softmax],
+    h: usize,
+    gs: usize,
+    qh: usize,
+    d: usize,
+    out: &mut [f32],
+) -> CacheResult<()> {
+    for (p, st) in states.iter().enumerate() {
+        let (i, j) = (p / gs, p % gs);
+        let o = &mut out[(i * qh + h * gs + j) * d..(i * qh + h * gs + j + 1) * d];
+        o.copy_from_slice(&st.acc);
+        rotate_rows(o, d)?;
+        let inv = 1.0 / st.sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+    Ok(())
 }
 
 /// Folds each pair's exact-window positions (fp16 copies, read after every block) into its

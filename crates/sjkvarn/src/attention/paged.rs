@@ -4,9 +4,9 @@
 //! in place, or exact rows (the sink, the block being filled).
 
 use super::{
-    fold_dense, fold_record, rotate_rows, score_overflow, Ahead, BodyCodec, CacheError,
-    CacheResult, ExactWindow, FragmentKernel, Lease, Queries, RingKernel, Softmax, WordKernel,
-    GROUP, PAIRS,
+    fold_dense, fold_record, rotate_rows, rotated_by_head, score_overflow, write_head, Ahead,
+    BodyCodec, CacheError, CacheResult, ExactWindow, FragmentKernel, Lease, Queries, RingKernel,
+    Softmax, WordKernel, GROUP, PAIRS,
 };
 use crate::error::check_finite;
 use crate::simd::simd_level;
@@ -86,23 +86,7 @@ pub fn attend_paged(
     }
     let n = q.len() / (q_heads * d);
     let gs = q_heads / kv_heads;
-    let mut q_rot = q.to_vec();
-    rotate_rows(&mut q_rot, d)?;
-    if q_rot
-        .iter()
-        .any(|x| !x.is_finite() || !(x * scale).is_finite())
-    {
-        return Err(score_overflow(q, d, scale));
-    }
-    // Queries regrouped by KV head: `[kv_heads][n][gs][d]`.
-    let mut by_head = vec![0.0f32; q_rot.len()];
-    for i in 0..n {
-        for h in 0..kv_heads {
-            let from = (i * q_heads + h * gs) * d;
-            let to = ((h * n + i) * gs) * d;
-            by_head[to..to + gs * d].copy_from_slice(&q_rot[from..from + gs * d]);
-        }
-    }
+    let by_head = rotated_by_head(q, q_heads, kv_heads, d, scale)?;
     let level = simd_level();
     // No exact window: each pair sees the positions up to its own.
     let window = ExactWindow::new(0);
@@ -163,21 +147,14 @@ pub fn attend_paged(
                 }
             }
         }
-        for (p, st) in states.iter().enumerate() {
-            let (i, j) = (p / gs, p % gs);
-            let o = &mut out[(i * q_heads + h * gs + j) * d..(i * q_heads + h * gs + j + 1) * d];
-            if st.sum == 0.0 {
-                // A query with no visible position (none of the blocks reaches it).
-                return Err(CacheError::Position {
-                    position: query_position + i,
-                    len: first_position + blocks.len() * GROUP,
-                });
-            }
-            o.copy_from_slice(&st.acc);
-            rotate_rows(o, d)?;
-            let inv = 1.0 / st.sum;
-            o.iter_mut().for_each(|x| *x *= inv);
+        if let Some(p) = states.iter().position(|st| st.sum == 0.0) {
+            // A query with no visible position (none of the blocks reaches it).
+            return Err(CacheError::Position {
+                position: query_position + p / gs,
+                len: first_position + blocks.len() * GROUP,
+            });
         }
+        write_head(&states, h, gs, q_heads, d, &mut out)?;
     }
     if out.iter().any(|x| !x.is_finite()) {
         return Err(score_overflow(q, d, scale));
