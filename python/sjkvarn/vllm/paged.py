@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sjkvarn import _core
-from sjkvarn.codec import body_layout
+from sjkvarn.codec import body_layout, decode_body, encode_body
 from sjkvarn.errors import InvalidInputError
 
 BLOCK: int = _core.GROUP
@@ -126,16 +126,12 @@ class PagedJournal:
         self._open: dict[int, torch.Tensor] = {}
         self._sealed: set[int] = set()  # blocks of `_open` whose page holds their record
         self._sinks: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._coding = (
-            settings.k_bits,
-            settings.v_bits,
-            16,
-            "final",
-            "std",
-            False,
-            None,
-            settings.body,
-            settings.body,
+        # The record coding, as `sjkvarn.codec`'s body functions take it.
+        self._coding = dict(
+            k_bits=settings.k_bits,
+            v_bits=settings.v_bits,
+            k_body=settings.body,
+            v_body=settings.body,
         )
 
     # -- writing ---------------------------------------------------------------------------
@@ -205,7 +201,7 @@ class PagedJournal:
 
     def _seal(self, page: torch.Tensor, block: int, rows: torch.Tensor) -> None:
         tiles = rows.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [2, kvh, BLOCK, d]
-        record = _core.encode_body(tiles[0], tiles[1], *self._coding[:2], *self._coding[2:])
+        record = encode_body(tiles[0], tiles[1], **self._coding)
         page[block].copy_(
             torch.frombuffer(bytearray(record), dtype=torch.uint8).view(self.kv_heads, -1)
         )
@@ -229,29 +225,13 @@ class PagedJournal:
     def _decoded(self, page: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of sealed ``blocks``, ``[len(blocks), kv_heads, BLOCK, d]`` float32."""
         n = len(blocks)
-        shape = (n * self.kv_heads, BLOCK, self.head_dim)
-        k = torch.empty(shape, dtype=torch.float32)
-        v = torch.empty(shape, dtype=torch.float32)
-        if n:
-            data = page[torch.tensor(blocks, dtype=torch.int64)].contiguous().numpy().tobytes()
-            _core.decode_body_into(
-                data,
-                k,
-                v,
-                self.settings.k_bits,
-                self.settings.v_bits,
-                False,
-                None,
-                self.settings.body,
-                self.settings.body,
-                16,
-                "final",
-                "std",
-            )
-        return (
-            k.view(n, self.kv_heads, BLOCK, self.head_dim),
-            v.view(n, self.kv_heads, BLOCK, self.head_dim),
-        )
+        if n == 0:
+            empty = torch.empty(0, self.kv_heads, BLOCK, self.head_dim)
+            return empty, empty.clone()
+        data = page[torch.tensor(blocks, dtype=torch.int64)].contiguous().numpy().tobytes()
+        k, v = decode_body(data, head_dim=self.head_dim, **self._coding)
+        shape = (n, self.kv_heads, BLOCK, self.head_dim)
+        return torch.from_numpy(k).view(shape), torch.from_numpy(v).view(shape)
 
     def _exact(self, block: int) -> torch.Tensor | None:
         rows = self._open.get(block)
