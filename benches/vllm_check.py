@@ -23,8 +23,9 @@ Per model, one JSON line (``--json``; a table otherwise):
   ``tokens_per_s`` / ``tokens_per_s_vllm``: their output tokens per second with sjkvarn and with
   vLLM's CPU attention, same prompts, same machine, one after the other.
 - ``sequences_per_gib``: sequences of 8,192 tokens that fit in 1 GiB of KV: sjkvarn 4/4 (pages
-  plus each sequence's two exact fp16 blocks), vLLM bf16 and fp8 pages (same formula as vLLM's
-  page size); ``engine_blocks``: blocks vLLM allocated in the same KV space, float32 model.
+  plus each sequence's two exact fp16 blocks; sliding-window layers their window's exact
+  pages), vLLM bf16 and fp8 pages (same formula as vLLM's page size; sliding-window layers
+  their window's blocks); ``engine_blocks``: blocks vLLM allocated in the same KV space, float32 model.
 """
 
 from __future__ import annotations
@@ -242,8 +243,10 @@ def check_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from sjkvarn.vllm.paged import PagedSettings, sequences_per_gib
 
     args.folder = str(converted_folder(name))
+
     def progress(m):
         return print(f"[{name}] {m}", file=sys.stderr, flush=True)
+
     progress("vLLM's own cache")
     base = _run_phase(args, "vllm", kl=True)
     progress("sjkvarn, lossless pages")
@@ -262,6 +265,10 @@ def check_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
     )
+    # Sliding-window layers hold only their window's blocks, in vLLM's cache and in sjkvarn's.
+    types = getattr(cfg, "layer_types", None) or []
+    geo["window_layers"] = sum(t == "sliding_attention" for t in types)
+    geo["window"] = getattr(cfg, "sliding_window", None) or 0
     tokens = 8192
     per_gib = {
         "sjkvarn_4_4": sequences_per_gib(PagedSettings(), tokens, dtype=torch.float32, **geo),

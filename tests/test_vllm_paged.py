@@ -15,8 +15,11 @@ from sjkvarn.vllm.paged import (
     BLOCK,
     PagedJournal,
     PagedSettings,
+    WindowJournal,
     page_state_bytes,
     sequences_per_gib,
+    window_block_tokens,
+    window_row_bytes,
 )
 
 KVH, QH, D = 2, 6, 64
@@ -149,6 +152,75 @@ def test_sliding_window() -> None:
     got = run(journal, pages_for(settings, 5), k, v, q, [4, 1, 2, 3], [150, n - 150])
     # Sliding-window layers read decoded records (float sums).
     torch.testing.assert_close(got, reference(settings, k, v, q, window=200), rtol=2e-5, atol=2e-5)
+
+
+def window_pages(settings: PagedSettings, blocks: int) -> torch.Tensor:
+    """Sliding-window pages as vLLM views them: ``[blocks, kv_heads, tokens, row]`` float32,
+    each block padded to the record page (so the view is strided)."""
+    tokens = window_block_tokens(settings, D)
+    record = KVH * page_state_bytes(settings, D, torch.float32)
+    raw = torch.zeros(blocks * record, dtype=torch.uint8)
+    row = window_row_bytes(D)
+    view = raw.as_strided((blocks, KVH, tokens, row), (record, tokens * row, row, 1))
+    return view.view(torch.float32)
+
+
+def exact_window_reference(k, v, q, window: int) -> torch.Tensor:
+    out = torch.empty(q.shape)
+    half_k, half_v = k.half().float(), v.half().float()
+    for p in range(k.shape[0]):
+        lo = max(0, p - window + 1)
+        for h in range(QH):
+            kv = h // (QH // KVH)
+            w = torch.softmax(half_k[lo : p + 1, kv] @ q[p, h] * SCALE, dim=0)
+            out[p, h] = w @ half_v[lo : p + 1, kv]
+    return out
+
+
+@pytest.mark.parametrize("settings", [PagedSettings(), PagedSettings(2, 2, "trellis")])
+def test_sliding_window_layers_keep_exact_rows(settings: PagedSettings) -> None:
+    """Window pages hold fp16 rows in padded, strided pages; any chunking and block ids give
+    attention over exactly the last ``window`` rows."""
+    tokens = window_block_tokens(settings, D)
+    assert tokens * window_row_bytes(D) <= page_state_bytes(settings, D, torch.float32)
+    n, window = 7 * tokens + 5, 3 * tokens + 7
+    k, v, q = rows(n, 12)
+    want = exact_window_reference(k, v, q, window)
+    table = [9, 3, 0, 7, 1, 8, 2, 5]
+    for chunks in ([n], [tokens - 1, 2 * tokens + 3, n - 3 * tokens - 2], [1] * 10 + [n - 10]):
+        pages = window_pages(settings, 10)
+        journal = WindowJournal(KVH, D, window)
+        out, pos = [], 0
+        for size in chunks:
+            slots = torch.tensor(
+                [table[p // tokens] * tokens + p % tokens for p in range(pos, pos + size)]
+            )
+            journal.write(pages, k[pos : pos + size], v[pos : pos + size], slots)
+            bt = torch.tensor([table])
+            qs = q[pos : pos + size]
+            out.append(journal.attend(pages, qs, [0, size], [pos + size], bt, SCALE))
+            pos += size
+        torch.testing.assert_close(torch.cat(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_window_journal_refuses_bad_rows_and_changes_nothing() -> None:
+    settings = PagedSettings()
+    journal = WindowJournal(KVH, D, 64)
+    pages = window_pages(settings, 2)
+    k, v, _ = rows(4, 13)
+    k[0, 0, 0] = 1e6  # beyond fp16
+    with pytest.raises(InvalidInputError, match="float16"):
+        journal.write(pages, k, v, torch.arange(4))
+    k[0, 0, 0] = float("inf")
+    with pytest.raises(InvalidInputError, match="NaN or Inf"):
+        journal.write(pages, k, v, torch.arange(4))
+    with pytest.raises(InvalidInputError, match="past the last page"):
+        journal.write(pages, v, v, torch.arange(4) + 10_000)
+    assert not pages.view(torch.uint8).any()
+    with pytest.raises(InvalidInputError, match="sliding-window page"):
+        journal.write(torch.zeros(2, KVH, 8, 3), v, v, torch.arange(4))
+    with pytest.raises(InvalidInputError, match="positive"):
+        WindowJournal(KVH, D, 0)
 
 
 def test_lossless_pages_hold_the_rows_exactly() -> None:
@@ -290,3 +362,19 @@ def test_compressed_pages_fit_more_sequences() -> None:
         (64 * 2 * BLOCK * 64 * 2) / (64 * 9344 + 2 * 2 * BLOCK * 64 * 2), rel=1e-9
     )
     assert np.isclose(plain, 2**30 / (64 * 30 * 3 * BLOCK * 2 * 64 * 2))
+
+
+def test_window_layers_count_only_the_window() -> None:
+    """Gemma 3 270M's geometry: 15 of 18 layers see the last 512 positions."""
+    geo = dict(layers=18, kv_heads=1, head_dim=256, dtype=torch.bfloat16)
+    record = page_state_bytes(PagedSettings(), 256, torch.bfloat16)
+    tokens = window_block_tokens(PagedSettings(), 256)
+    coded = sequences_per_gib(PagedSettings(), 8192, window_layers=15, window=512, **geo)
+    full = 3 * 64 * record + 2 * 3 * 2 * BLOCK * 256 * 2
+    assert coded == pytest.approx(2**30 / (full + 15 * (512 // tokens + 1) * record))
+    plain = sequences_per_gib(
+        PagedSettings(lossless=True), 8192, window_layers=15, window=512, **geo
+    )
+    page = 2 * BLOCK * 256 * 2
+    assert plain == pytest.approx(2**30 / (3 * 64 * page + 15 * 5 * page))
+    assert coded > 2 * plain

@@ -20,9 +20,19 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from sjkvarn.errors import InvalidInputError
-from sjkvarn.vllm.paged import BLOCK, PagedJournal, PagedSettings, page_state_bytes
+from sjkvarn.vllm.paged import (
+    BLOCK,
+    WINDOW_MIN_BLOCK,
+    PagedJournal,
+    PagedSettings,
+    WindowJournal,
+    page_state_bytes,
+    window_block_tokens,
+    window_row_bytes,
+)
 
 # Under vLLM's logger, so that its handlers and format (and VLLM_LOGGING_LEVEL) apply.
 logger = logging.getLogger("vllm.sjkvarn")
@@ -87,13 +97,22 @@ def check_engine(vllm_config: Any) -> None:
         )
 
 
+def _exact_window(settings: PagedSettings, spec: Any) -> bool:
+    """Sliding-window layers keep exact rows (:class:`WindowJournal`) unless every page is
+    lossless anyway."""
+    return isinstance(spec, SlidingWindowSpec) and not settings.lossless
+
+
 class SjkvarnAttentionBackend(CPUAttentionBackend):
     """vLLM's CPU backend, or, when ``CUSTOM`` is selected, attention over SJ-KVaRN pages."""
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        if _active() is None:
+        settings = _active()
+        if settings is None:
             return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+        if _exact_window(settings, kv_cache_spec):
+            return [MultipleOf(WINDOW_MIN_BLOCK)]
         return [BLOCK]
 
     @classmethod
@@ -117,15 +136,26 @@ class SjkvarnAttentionBackend(CPUAttentionBackend):
         settings = _active()
         if settings is None:
             return super().customize_spec(spec)
-        if spec.block_size < BLOCK:
-            # vLLM sizes sliding-window pages per token first; the journal has no per-token
-            # page, so such probes keep vLLM's own size.
-            return super().customize_spec(spec)
         if spec.head_size not in _HEAD_SIZES or spec.head_size_v != spec.head_size:
             raise InvalidInputError(
                 f"sjkvarn codes head sizes {_HEAD_SIZES} (K and V alike), got "
                 f"{spec.head_size}/{spec.head_size_v}"
             )
+        if _exact_window(settings, spec):
+            # Exact fp16 rows, as many tokens per page as fit in a record page; the page is
+            # padded to the record page so that both kinds of layer share one page size.
+            rows = replace(spec, state_content_bytes=window_row_bytes(spec.head_size))
+            if spec.block_size == 1:  # vLLM's per-token probe
+                return rows
+            record = spec.num_kv_heads * page_state_bytes(settings, spec.head_size, spec.dtype)
+            return replace(
+                rows,
+                block_size=window_block_tokens(settings, spec.head_size),
+                page_size_padded=record,
+            )
+        if spec.block_size < BLOCK:
+            # vLLM's per-token probe: the journal has no per-token page, so it keeps vLLM's.
+            return super().customize_spec(spec)
         state = page_state_bytes(settings, spec.head_size, spec.dtype)
         return replace(spec, tokens_per_state=BLOCK, state_content_bytes=state)
 
@@ -164,7 +194,7 @@ class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
             kv_sharing_target_layer_name,
             sinks,
         )
-        self.journal: PagedJournal | None = None
+        self.journal: PagedJournal | WindowJournal | None = None
         vllm_config = get_current_vllm_config_or_none()
         settings = settings_for(vllm_config)
         if settings is None:
@@ -183,24 +213,32 @@ class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
                 raise InvalidInputError(f"sjkvarn's vLLM backend does not support {what}")
         if head_size not in _HEAD_SIZES:
             raise InvalidInputError(f"sjkvarn codes head sizes {_HEAD_SIZES}, got {head_size}")
-        self.journal = PagedJournal(
-            settings,
-            num_kv_heads,
-            head_size,
-            vllm_config.model_config.dtype,
-            sliding_window=sliding_window,
-        )
+        if sliding_window and not settings.lossless:
+            self.journal = WindowJournal(num_kv_heads, head_size, sliding_window)
+        else:
+            self.journal = PagedJournal(
+                settings,
+                num_kv_heads,
+                head_size,
+                vllm_config.model_config.dtype,
+                sliding_window=sliding_window,
+            )
         if not _logged[0]:
             _logged[0] = True
-            element = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
-            plain = 2 * BLOCK * head_size * element
+            dtype = vllm_config.model_config.dtype
+            plain = 2 * BLOCK * head_size * torch.empty((), dtype=dtype).element_size()
+            state = page_state_bytes(settings, head_size, dtype)
             logger.info(
-                "sjkvarn: %s pages, %d bytes per KV head per block (%.2fx the model dtype's)",
+                "sjkvarn: %s pages, %d bytes per KV head per block (%.2fx the model dtype's)%s",
                 "lossless"
                 if settings.lossless
                 else f"{settings.body} {settings.k_bits}/{settings.v_bits}",
-                self.journal.state_bytes,
-                plain / self.journal.state_bytes,
+                state,
+                plain / state,
+                ""
+                if settings.lossless
+                else f"; sliding-window layers exact, "
+                f"{window_block_tokens(settings, head_size)} fp16 rows per page",
             )
 
     def do_kv_cache_update(

@@ -11,6 +11,10 @@ only on the tokens before it, never on how the engine chunked the prefill or whi
 computed a shared block first: prefix caching, chunked prefill and preemption-with-recompute
 give the same outputs as one uninterrupted run.
 
+Sliding-window layers keep their rows exact instead (:class:`WindowJournal`): a window holds
+a few blocks per sequence, so coding it would save little memory and cost most of the quality.
+Their pages are as large as a record page and hold ``window_block_tokens`` fp16 rows each.
+
 This module needs torch and nothing from vLLM; ``sjkvarn.vllm.backend`` plugs it into vLLM.
 """
 
@@ -29,6 +33,9 @@ from sjkvarn.errors import InvalidInputError
 
 BLOCK: int = _core.GROUP
 """Tokens per engine block: one sealed body group."""
+
+WINDOW_MIN_BLOCK: int = 16
+"""Fewest tokens per sliding-window page (vLLM's CPU scheduler works in multiples of 16)."""
 
 _BODIES = ("scalar", "trellis")
 _TRELLIS_BITS = ((3, 3), (3, 2), (2, 2))
@@ -98,6 +105,21 @@ def page_state_bytes(settings: PagedSettings, head_dim: int, dtype: torch.dtype)
     if settings.lossless:
         return BLOCK * 2 * head_dim * torch.empty((), dtype=dtype).element_size()
     return body_layout(head_dim, settings.k_bits, settings.v_bits).record_bytes
+
+
+def window_row_bytes(head_dim: int) -> int:
+    """Bytes of one token's exact K and V rows (fp16) for one KV head in a window page."""
+    return 2 * head_dim * 2
+
+
+def window_block_tokens(settings: PagedSettings, head_dim: int) -> int:
+    """Tokens per sliding-window page: the most (a power of two, at least 16) whose exact rows
+    fit in one record page, so that both kinds of layer share vLLM's page size."""
+    record = page_state_bytes(settings, head_dim, torch.float16)
+    tokens = BLOCK
+    while tokens > WINDOW_MIN_BLOCK and tokens * window_row_bytes(head_dim) > record:
+        tokens //= 2
+    return tokens
 
 
 class PagedJournal:
@@ -396,12 +418,98 @@ class PagedJournal:
         return res.reshape(qh, nq, d).permute(1, 0, 2)
 
 
-def blocks_per_gib(
-    settings: PagedSettings, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> float:
-    """Engine blocks (128 tokens each, all layers) that fit in one GiB of pages."""
-    page = layers * kv_heads * page_state_bytes(settings, head_dim, dtype)
-    return 2**30 / page
+class WindowJournal:
+    """One sliding-window layer over pages ``[blocks, kv_heads, block_tokens, *]`` (any dtype,
+    read as bytes; blocks may be strided, vLLM pads them to the record page): every row exact
+    in fp16, attention over the last ``window`` positions. Same calls as :class:`PagedJournal`.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, window: int) -> None:
+        if window <= 0:
+            raise InvalidInputError(f"sliding window must be positive, got {window}")
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.window = window
+
+    def _rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """``pages`` as ``[blocks, kv_heads, block_tokens, 2, head_dim]`` fp16, in place."""
+        raw = pages.view(torch.uint8)
+        row = window_row_bytes(self.head_dim)
+        if raw.dim() != 4 or raw.shape[1] != self.kv_heads or raw.shape[3] != row:
+            raise InvalidInputError(
+                f"sliding-window page of shape {tuple(raw.shape)} bytes; this layer needs "
+                f"[blocks, {self.kv_heads}, tokens, {row}]"
+            )
+        return raw.view(torch.float16).unflatten(3, (2, self.head_dim))
+
+    def write(
+        self, pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Stores rows ``key``/``value`` (``[tokens, kv_heads, head_dim]``) at engine slots
+        ``block * block_tokens + offset`` (negative slots are padding)."""
+        if not torch.isfinite(key).all() or not torch.isfinite(value).all():
+            raise InvalidInputError("key/value rows hold NaN or Inf")
+        rows = self._rows(pages)
+        size = rows.shape[2]
+        slots = slots.to(torch.int64)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        if slots.numel() == 0:
+            return
+        big = float(torch.maximum(key.abs().amax(), value.abs().amax()))
+        if big > torch.finfo(torch.float16).max:
+            raise InvalidInputError(
+                f"key/value rows reach {big:.3g}, beyond float16's range: sliding-window "
+                "layers keep fp16 rows"
+            )
+        blocks = torch.div(slots, size, rounding_mode="floor")
+        offsets = slots - blocks * size
+        if int(blocks.max()) >= rows.shape[0]:
+            raise InvalidInputError(f"slot {int(slots.max())} is past the last page")
+        rows.select(3, 0)[blocks, :, offsets] = key.to(torch.float16)
+        rows.select(3, 1)[blocks, :, offsets] = value.to(torch.float16)
+
+    def forget(self, live_sinks: set[int]) -> None:
+        """Nothing to drop: every row lives in the pages."""
+
+    def attend(
+        self,
+        pages: torch.Tensor,
+        query: torch.Tensor,
+        query_start: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """As :meth:`PagedJournal.attend`, each query over the last ``window`` positions."""
+        rows = self._rows(pages)
+        size = rows.shape[2]
+        out = torch.empty(query.shape, dtype=torch.float32)
+        table = block_table.tolist()
+        for r, length in enumerate(seq_lens):
+            start, end = query_start[r], query_start[r + 1]
+            if end <= start:
+                continue
+            q = query[start:end].to(torch.float32)
+            n, qh, d = q.shape
+            pos_q = torch.arange(length - n, length)
+            lo = max(0, length - n - self.window + 1)
+            first, last = lo // size, (length - 1) // size
+            ids = torch.tensor(table[r][first : last + 1], dtype=torch.int64)
+            kv = rows[ids].to(torch.float32)  # [blocks, kvh, size, 2, d]
+            kv = kv.permute(1, 0, 2, 3, 4).reshape(self.kv_heads, -1, 2, d)
+            key_pos = torch.arange(first * size, first * size + kv.shape[1])
+            mask = (key_pos[None, :] <= pos_q[:, None]) & (
+                key_pos[None, :] > pos_q[:, None] - self.window
+            )
+            group = qh // self.kv_heads
+            qg = q.permute(1, 0, 2).reshape(self.kv_heads, group, n, d)
+            scores = torch.matmul(qg, kv[:, None, :, 0].transpose(-1, -2)) * scale
+            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            res = torch.matmul(weights, kv[:, None, :, 1])  # [kvh, group, n, d]
+            out[start:end] = res.reshape(qh, n, d).permute(1, 0, 2)
+        return out
 
 
 def sequences_per_gib(
@@ -411,10 +519,21 @@ def sequences_per_gib(
     kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    *,
+    window_layers: int = 0,
+    window: int = 0,
 ) -> float:
-    """Sequences of ``tokens`` that fit in one GiB of KV memory: pages plus, unless lossless,
-    the two exact blocks (sink and open block, fp16) each sequence holds beside them."""
+    """Sequences of ``tokens`` that fit in one GiB of KV memory.
+
+    Full-attention layers: pages plus, unless lossless, the two exact blocks (sink and open
+    block, fp16) each sequence holds beside them. ``window_layers`` of the ``layers`` attend
+    over the last ``window`` positions and hold the blocks vLLM keeps for a decoding sequence
+    (``ceil(window / block) + 1``): exact pages of ``window_block_tokens`` rows for sjkvarn,
+    pages of the plain layout when lossless (vLLM's own cache)."""
     blocks = math.ceil(tokens / BLOCK)
-    page = layers * kv_heads * page_state_bytes(settings, head_dim, dtype)
-    side = 0 if settings.lossless else 2 * layers * 2 * BLOCK * kv_heads * head_dim * 2
-    return 2**30 / (blocks * page + side)
+    full = layers - window_layers
+    page = kv_heads * page_state_bytes(settings, head_dim, dtype)
+    side = 0 if settings.lossless else 2 * full * 2 * BLOCK * kv_heads * head_dim * 2
+    per_window = BLOCK if settings.lossless else window_block_tokens(settings, head_dim)
+    kept = math.ceil(min(window, tokens) / per_window) + 1 if window_layers else 0
+    return 2**30 / (full * blocks * page + side + window_layers * kept * page)
