@@ -25,7 +25,8 @@ Per model, one JSON line (``--json``; a table otherwise):
 - ``sequences_per_gib``: sequences of 8,192 tokens that fit in 1 GiB of KV: sjkvarn 4/4 (pages
   plus each sequence's two exact fp16 blocks; sliding-window layers their window's exact
   pages), vLLM bf16 and fp8 pages (same formula as vLLM's page size; sliding-window layers
-  their window's blocks); ``engine_blocks``: blocks vLLM allocated in the same KV space, float32 model.
+  their window's blocks); ``engine_blocks``: blocks vLLM allocated in the same KV space,
+  float32 model.
 """
 
 from __future__ import annotations

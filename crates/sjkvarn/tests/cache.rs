@@ -643,7 +643,7 @@ fn sealed_records_attend_as_their_decoded_rows() {
                 }
             }
         }
-        for rows in [1usize, 9] {
+        for rows in [1usize, 9, 40, 600] {
             let err = error_against_reference(&seq, &kd, &vd, rows, &mut rng);
             eprintln!("{coding:?}, {rows} rows: error {err:.2e} of the norm");
             assert!(err <= 3e-4, "{coding:?}: error {err:.2e} of the norm");
@@ -682,7 +682,7 @@ fn tq6_ring_rows_attend_as_their_decoded_rows() {
             }
         }
     }
-    for rows in [1usize, 7] {
+    for rows in [1usize, 7, 40, 600] {
         let err = error_against_reference(&seq, &kd, &vd, rows, &mut rng);
         eprintln!("{rows} rows: error {err:.2e} of the norm");
         assert!(err <= 3e-4, "error {err:.2e} of the norm");

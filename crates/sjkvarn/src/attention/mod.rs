@@ -47,6 +47,7 @@ fn value_operands_fit(
 mod fragment_dots;
 mod online_softmax;
 mod paged;
+mod prefill;
 mod ring_q8;
 mod ring_tq6;
 pub(crate) mod tile_gemm;
@@ -863,6 +864,24 @@ fn attend_at(
     // are merged in chunk order, so every query row's result is the same however the work is
     // scheduled. Small calls (decode) run every item in parallel and merge afterwards; large
     // ones (prefill, whose states are large) run one task per head over its chunks in order.
+    let threads = thread_limit(n * lj.len * qh * d, threads);
+    if n >= prefill::MIN_ROWS && cfg.exact_recent == 0 {
+        let out = prefill::Prefill {
+            job: &job,
+            rotated: &by_head,
+            n,
+            gs,
+            qh,
+            base,
+            scale,
+            level,
+        }
+        .run(threads)?;
+        if out.iter().any(|x| !x.is_finite()) {
+            return Err(score_overflow(q, d, scale));
+        }
+        return Ok(out);
+    }
     let chunks = lj.len.div_ceil(CHUNK);
     let head_len = n * gs * d;
     let ctx_of = |h: usize| Queries {
@@ -880,7 +899,6 @@ fn attend_at(
         words: WordKernel::for_level(level),
     };
     let state_bytes = n * gs * d * 4;
-    let threads = thread_limit(n * lj.len * qh * d, threads);
     let per_head: Vec<CacheResult<Vec<Softmax>>> =
         if state_bytes * chunks * kvh <= PARALLEL_STATE_BYTES {
             // One item per (head, chunk), head-major; the caller works on them too.
@@ -1198,7 +1216,8 @@ mod tests {
             .unwrap();
         let mut rng = SplitMix64::new(23);
         let seq = filled(6, 3, 64, LayerCoding::scalar(4, 4), 5000, &mut rng);
-        for rows in [1usize, 9] {
+        // Decode calls, and prefill chunks of one and of several work items.
+        for rows in [1usize, 9, 40, 2100] {
             let q = rng.gaussians(rows * 6 * 64);
             let want = attend(&seq, 0, &q, None).unwrap();
             for threads in [1, 2, 3, 5] {

@@ -1,0 +1,285 @@
+//! Chunked prefill as matrix products: many query rows against a layer, each block decoded
+//! once per work item into dense rotated rows, then scored and summed by an f32 GEMM
+//! (`matrixmultiply`) with an online softmax between the two products.
+//!
+//! Decode calls (a few rows) read records in place ([`super::fold_record`]): there each decoded
+//! value would serve a handful of queries, so decoding costs more than it saves. A prefill
+//! chunk reuses every decoded row for thousands of queries, so decoding once and running
+//! blocked products wins; the products are over the decoded rows in f32, so the result is
+//! at least as close to exact attention as the in-place kernels'.
+//!
+//! Work items are (KV head, block of [`ROWS_PER_ITEM`] query rows), fixed by position and
+//! never by the thread count, and each item runs alone in a fixed order: the result is the
+//! same for every thread count.
+
+use super::online_softmax::Softmax;
+use super::Job;
+use crate::cache::CacheResult;
+use crate::codec::extension::body::GROUP;
+use crate::codec::rotation::rotate_heads as rotate_rows;
+use crate::parallel::run_items;
+use crate::simd::SimdLevel;
+use half::slice::HalfFloatSliceExt;
+
+/// Query rows from which a call takes this path (and the layer has no exact window).
+pub(super) const MIN_ROWS: usize = 32;
+
+/// Positions decoded together: four records.
+const KEY_TILE: usize = 4 * GROUP;
+
+/// Query rows scored together in one product (times the group size in pairs): enough that
+/// packing a key tile for the product costs little next to the product itself.
+const ROW_BLOCK: usize = 64;
+
+/// Query rows of one work item. Each item decodes the blocks it reads once, so fewer, larger
+/// items decode less; 1,024 rows still give a 4,096-row chunk four items per KV head.
+const ROWS_PER_ITEM: usize = 1024;
+
+/// The geometry of one call.
+pub(super) struct Prefill<'a> {
+    pub(super) job: &'a Job<'a>,
+    /// Rotated queries by KV head, `[kv_heads][n][gs][d]`.
+    pub(super) rotated: &'a [f32],
+    pub(super) n: usize,
+    pub(super) gs: usize,
+    pub(super) qh: usize,
+    /// Position of query row 0.
+    pub(super) base: usize,
+    pub(super) scale: f32,
+    pub(super) level: SimdLevel,
+}
+
+/// Buffers of one participant.
+struct Tiles {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    logits: Vec<f32>,
+    weights: Vec<f32>,
+    part: Vec<f32>,
+}
+
+impl Prefill<'_> {
+    /// Attention of every query row, `[n][q_heads][d]` in the model frame.
+    pub(super) fn run(&self, threads: Option<usize>) -> CacheResult<Vec<f32>> {
+        let (d, kvh) = (self.job.d, self.job.kvh);
+        let per_head = self.n.div_ceil(ROWS_PER_ITEM);
+        let pairs = ROW_BLOCK * self.gs;
+        // Item `i`'s (KV head, row block): the last row blocks, which see the most positions,
+        // are taken first, so that the items left for the end are the short ones.
+        let item_of = |i: usize| (i % kvh, per_head - 1 - i / kvh);
+        let parts = run_items(
+            kvh * per_head,
+            threads,
+            || Tiles {
+                k: vec![0.0; KEY_TILE * d],
+                v: vec![0.0; KEY_TILE * d],
+                logits: vec![0.0; pairs * KEY_TILE],
+                weights: vec![0.0; pairs * KEY_TILE],
+                part: vec![0.0; pairs * d],
+            },
+            |tiles, item| {
+                let (h, block) = item_of(item);
+                let rows = block * ROWS_PER_ITEM..((block + 1) * ROWS_PER_ITEM).min(self.n);
+                self.item_at(h, rows, tiles)
+            },
+        );
+        let mut out = vec![0.0f32; self.n * self.qh * d];
+        for (item, part) in parts.into_iter().enumerate() {
+            let (h, block) = item_of(item);
+            let rows = part?;
+            for (p, o) in rows.chunks_exact(d).enumerate() {
+                let (i, j) = (block * ROWS_PER_ITEM + p / self.gs, p % self.gs);
+                let at = (i * self.qh + h * self.gs + j) * d;
+                out[at..at + d].copy_from_slice(o);
+            }
+        }
+        Ok(out)
+    }
+
+    fn item_at(
+        &self,
+        h: usize,
+        rows: std::ops::Range<usize>,
+        tiles: &mut Tiles,
+    ) -> CacheResult<Vec<f32>> {
+        match self.level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Avx512` is only chosen after the CPU reported every feature the function
+            // is compiled with (`simd::detected_level`, or a test that checked it).
+            SimdLevel::Avx512 => unsafe { self.item_avx512(h, rows, tiles) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 and FMA.
+            SimdLevel::Avx2 => unsafe { self.item_avx2(h, rows, tiles) },
+            _ => self.item(h, rows, tiles),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+    unsafe fn item_avx512(
+        &self,
+        h: usize,
+        rows: std::ops::Range<usize>,
+        tiles: &mut Tiles,
+    ) -> CacheResult<Vec<f32>> {
+        self.item(h, rows, tiles)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn item_avx2(
+        &self,
+        h: usize,
+        rows: std::ops::Range<usize>,
+        tiles: &mut Tiles,
+    ) -> CacheResult<Vec<f32>> {
+        self.item(h, rows, tiles)
+    }
+
+    /// Query rows `rows` of KV head `h`: their normalised outputs in the model frame,
+    /// `[rows][gs][d]`.
+    #[inline(always)]
+    fn item(
+        &self,
+        h: usize,
+        rows: std::ops::Range<usize>,
+        tiles: &mut Tiles,
+    ) -> CacheResult<Vec<f32>> {
+        let (d, gs) = (self.job.d, self.gs);
+        let head = &self.rotated[h * self.n * gs * d..(h + 1) * self.n * gs * d];
+        let mut states = vec![Softmax::new(d); rows.len() * gs];
+        let end = self.base + rows.end; // one past the last position any row sees
+        for first in (0..end).step_by(KEY_TILE) {
+            let keys = KEY_TILE.min(end - first);
+            self.dense_rows(h, first, keys, tiles)?;
+            for block in (rows.start..rows.end).step_by(ROW_BLOCK) {
+                let block = block..(block + ROW_BLOCK).min(rows.end);
+                // Columns the block's last row sees; rows before `first` see none.
+                let most = (self.base + block.end).saturating_sub(first).min(keys);
+                if most == 0 {
+                    continue;
+                }
+                let np = block.len() * gs;
+                let q = &head[block.start * gs * d..block.end * gs * d];
+                // logits[np][most] = q[np][d] . k[most][d]^T
+                // SAFETY: the operands hold np x d, most x d (read transposed) and np x most
+                // values at the given strides; none overlaps another.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        np,
+                        d,
+                        most,
+                        self.scale,
+                        q.as_ptr(),
+                        d as isize,
+                        1,
+                        tiles.k.as_ptr(),
+                        1,
+                        d as isize,
+                        0.0,
+                        tiles.logits.as_mut_ptr(),
+                        most as isize,
+                        1,
+                    );
+                }
+                for slot in 0..np {
+                    let i = block.start + slot / gs;
+                    let visible = (self.base + i + 1).saturating_sub(first).min(most);
+                    let lg = &tiles.logits[slot * most..(slot + 1) * most];
+                    let w = &mut tiles.weights[slot * most..(slot + 1) * most];
+                    let st = &mut states[(i - rows.start) * gs + slot % gs];
+                    // A row that sees none of the tile (or none yet) adds zeros.
+                    let seen = if st.fold(lg, visible, w) { visible } else { 0 };
+                    w[seen..].fill(0.0);
+                }
+                // part[np][d] = weights[np][most] . v[most][d]
+                // SAFETY: as above: np x most, most x d and np x d values.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        np,
+                        most,
+                        d,
+                        1.0,
+                        tiles.weights.as_ptr(),
+                        most as isize,
+                        1,
+                        tiles.v.as_ptr(),
+                        d as isize,
+                        1,
+                        0.0,
+                        tiles.part.as_mut_ptr(),
+                        d as isize,
+                        1,
+                    );
+                }
+                for slot in 0..np {
+                    let i = block.start + slot / gs;
+                    let st = &mut states[(i - rows.start) * gs + slot % gs];
+                    for (a, &x) in st.acc.iter_mut().zip(&tiles.part[slot * d..(slot + 1) * d]) {
+                        *a += x;
+                    }
+                }
+            }
+        }
+        let mut out = vec![0.0f32; states.len() * d];
+        for (o, st) in out.chunks_exact_mut(d).zip(&states) {
+            o.copy_from_slice(&st.acc);
+            rotate_rows(o, d)?;
+            let inv = 1.0 / st.sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+        Ok(out)
+    }
+
+    /// Rotated K and V rows of positions `first..first + count` of KV head `h` into the tiles:
+    /// the sink from its fp16 rows, body records decoded, ring rows from their staging.
+    #[inline(always)]
+    fn dense_rows(
+        &self,
+        h: usize,
+        first: usize,
+        count: usize,
+        tiles: &mut Tiles,
+    ) -> CacheResult<()> {
+        let job = self.job;
+        let (lj, d, kvh) = (job.lj, job.d, job.kvh);
+        let end = first + count;
+        let mut pos = first;
+        // Sink.
+        let sink_end = lj.len.min(job.sink);
+        while pos < end.min(sink_end) {
+            let at = (pos * kvh + h) * d;
+            let t = (pos - first) * d;
+            lj.scored_sink_k()[at..at + d].convert_to_f32_slice(&mut tiles.k[t..t + d]);
+            lj.sink_v[at..at + d].convert_to_f32_slice(&mut tiles.v[t..t + d]);
+            pos += 1;
+        }
+        // Body records.
+        let ring_start = lj.ring_start(job.sink);
+        let rb = job.codec.record_bytes();
+        let pool = job.seq.pool();
+        while pos < end.min(ring_start) {
+            let g = (pos - job.sink) / GROUP;
+            let start = job.sink + g * GROUP;
+            let bytes = pool.get(lj.blocks[g]);
+            let (k, v) = job.codec.decode_rotated(&bytes[h * rb..(h + 1) * rb])?;
+            let upto = end.min(start + GROUP);
+            let (from, to) = ((pos - start) * d, (upto - start) * d);
+            let t = (pos - first) * d;
+            tiles.k[t..t + to - from].copy_from_slice(&k[from..to]);
+            tiles.v[t..t + to - from].copy_from_slice(&v[from..to]);
+            pos = upto;
+        }
+        // Ring.
+        if pos < end {
+            let ring = job.seq.ring_cursor(lj, ring_start, h);
+            while pos < end {
+                let t = (pos - first) * d;
+                ring.row(pos, false, &mut tiles.k[t..t + d]);
+                ring.row(pos, true, &mut tiles.v[t..t + d]);
+                pos += 1;
+            }
+        }
+        Ok(())
+    }
+}
