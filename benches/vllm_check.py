@@ -74,9 +74,14 @@ def _engine(model: str, mode: str, max_len: int, prefix_caching: bool = True) ->
 
 def _token_prompts(tokenizer: Any, count: int, lengths: list[int]) -> list[list[int]]:
     prompts = []
+    # Gemma 3 expects `<bos>` first; some transformers versions convert its GGUF tokenizer
+    # without adding it.
+    bos = tokenizer.bos_token_id if "gemma" in type(tokenizer).__name__.lower() else None
     for i in range(count):
         text = TEXTS[i % len(TEXTS)].read_text(encoding="utf-8")
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
         start = (i // len(TEXTS)) * 4096
         prompts.append(ids[start : start + lengths[i % len(lengths)]])
     return prompts

@@ -75,10 +75,17 @@ _CONVERTED = {"gemma3": "gemma3-270m", "smollm2": "smollm2-135m"}
 
 def converted_folder(name: str) -> Path:
     """A plain float32 Hugging Face folder of a known model (what engines such as vLLM load),
-    converted from its GGUF on first use and kept under :func:`cache_folder`."""
+    converted from its GGUF on first use and kept under :func:`cache_folder`.
+
+    One folder per transformers version: the GGUF tokenizer's conversion differs between
+    versions (transformers 5.19 writes a Gemma 3 tokenizer that adds no ``<bos>``, 5.25 one
+    that does), so a folder converted in one environment would silently change the token
+    histories of another."""
     if name not in _CONVERTED:
         raise ModelNotFound(f"no converted copy for {name!r}; known: {', '.join(_CONVERTED)}")
-    converted = cache_folder() / _CONVERTED[name]
+    import transformers
+
+    converted = cache_folder() / f"{_CONVERTED[name]}-transformers-{transformers.__version__}"
     if (converted / "config.json").exists() and (converted / "tokenizer_config.json").exists():
         return converted
     gguf = gemma_gguf() if name == "gemma3" else default_gguf()
