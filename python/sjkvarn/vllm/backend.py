@@ -197,9 +197,11 @@ class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
         self.journal: PagedJournal | WindowJournal | None = None
         vllm_config = get_current_vllm_config_or_none()
         settings = settings_for(vllm_config)
+        # The engine whose layers are being built is the one the page-spec calls that follow
+        # ask about: an engine without sjkvarn clears what an earlier one in this process set.
+        _engine_settings[0] = settings
         if settings is None:
             return
-        _engine_settings[0] = settings
         check_engine(vllm_config)
         refused = {
             "an attention type other than decoder": attn_type != AttentionType.DECODER,
