@@ -393,7 +393,6 @@ class PagedJournal:
         scale: float,
     ) -> torch.Tensor:
         """Queries of block ``qb`` over decoded blocks (lossless pages, sliding windows)."""
-        nq, qh, d = q.shape
         lo = 0 if self.window is None else max(0, int(pos_q.min()) - self.window + 1)
         ks = [coded[j][0] for j in range(lo // BLOCK, qb)]
         vs = [coded[j][1] for j in range(lo // BLOCK, qb)]
@@ -407,15 +406,31 @@ class PagedJournal:
         v = torch.cat([*vs, own_v], dim=1)
         base = (lo // BLOCK) * BLOCK
         key_pos = torch.arange(base, base + k.shape[1])
-        mask = key_pos[None, :] <= pos_q[:, None]
-        if self.window is not None:
-            mask &= key_pos[None, :] > pos_q[:, None] - self.window
-        group = qh // self.kv_heads
-        qg = q.permute(1, 0, 2).reshape(self.kv_heads, group, nq, d)
-        scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        res = torch.matmul(torch.softmax(scores, dim=-1), v[:, None])  # [kvh, group, nq, d]
-        return res.reshape(qh, nq, d).permute(1, 0, 2)
+        return masked_attention(q, k, v, pos_q, key_pos, self.window, scale)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_q: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Causal (and, with ``window``, windowed) attention of queries ``[n, q_heads, d]`` at
+    positions ``pos_q`` over dense keys and values ``[kv_heads, T, d]`` at ``key_pos``, each KV
+    head serving its group of query heads. Returns ``[n, q_heads, d]`` float32."""
+    n, qh, d = q.shape
+    kvh = k.shape[0]
+    mask = key_pos[None, :] <= pos_q[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > pos_q[:, None] - window
+    qg = q.permute(1, 0, 2).reshape(kvh, qh // kvh, n, d)
+    scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    res = torch.matmul(weights, v[:, None])  # [kvh, group, n, d]
+    return res.reshape(qh, n, d).permute(1, 0, 2)
 
 
 class WindowJournal:
@@ -492,7 +507,7 @@ class WindowJournal:
             if end <= start:
                 continue
             q = query[start:end].to(torch.float32)
-            n, qh, d = q.shape
+            n, _, d = q.shape
             pos_q = torch.arange(length - n, length)
             lo = max(0, length - n - self.window + 1)
             first, last = lo // size, (length - 1) // size
@@ -500,15 +515,9 @@ class WindowJournal:
             kv = rows[ids].to(torch.float32)  # [blocks, kvh, size, 2, d]
             kv = kv.permute(1, 0, 2, 3, 4).reshape(self.kv_heads, -1, 2, d)
             key_pos = torch.arange(first * size, first * size + kv.shape[1])
-            mask = (key_pos[None, :] <= pos_q[:, None]) & (
-                key_pos[None, :] > pos_q[:, None] - self.window
+            out[start:end] = masked_attention(
+                q, kv[:, :, 0], kv[:, :, 1], pos_q, key_pos, self.window, scale
             )
-            group = qh // self.kv_heads
-            qg = q.permute(1, 0, 2).reshape(self.kv_heads, group, n, d)
-            scores = torch.matmul(qg, kv[:, None, :, 0].transpose(-1, -2)) * scale
-            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            res = torch.matmul(weights, kv[:, None, :, 1])  # [kvh, group, n, d]
-            out[start:end] = res.reshape(qh, n, d).permute(1, 0, 2)
         return out
 
 

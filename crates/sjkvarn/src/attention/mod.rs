@@ -1004,11 +1004,18 @@ fn write_head(
     for (p, st) in states.iter().enumerate() {
         let (i, j) = (p / gs, p % gs);
         let o = &mut out[(i * qh + h * gs + j) * d..(i * qh + h * gs + j + 1) * d];
-        o.copy_from_slice(&st.acc);
-        rotate_rows(o, d)?;
-        let inv = 1.0 / st.sum;
-        o.iter_mut().for_each(|x| *x *= inv);
+        finish(st, o, d)?;
     }
+    Ok(())
+}
+
+/// One pair's output from its state: the value sum normalised and rotated back to the model
+/// frame.
+fn finish(st: &Softmax, o: &mut [f32], d: usize) -> CacheResult<()> {
+    o.copy_from_slice(&st.acc);
+    rotate_rows(o, d)?;
+    let inv = 1.0 / st.sum;
+    o.iter_mut().for_each(|x| *x *= inv);
     Ok(())
 }
 

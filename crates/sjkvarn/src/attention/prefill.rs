@@ -13,10 +13,9 @@
 //! same for every thread count.
 
 use super::online_softmax::Softmax;
-use super::Job;
+use super::{finish, Job};
 use crate::cache::CacheResult;
 use crate::codec::extension::body::GROUP;
-use crate::codec::rotation::rotate_heads as rotate_rows;
 use crate::parallel::run_items;
 use crate::simd::SimdLevel;
 use half::slice::HalfFloatSliceExt;
@@ -161,27 +160,9 @@ impl Prefill<'_> {
                 }
                 let np = block.len() * gs;
                 let q = &head[block.start * gs * d..block.end * gs * d];
-                // logits[np][most] = q[np][d] . k[most][d]^T
-                // SAFETY: the operands hold np x d, most x d (read transposed) and np x most
-                // values at the given strides; none overlaps another.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        np,
-                        d,
-                        most,
-                        self.scale,
-                        q.as_ptr(),
-                        d as isize,
-                        1,
-                        tiles.k.as_ptr(),
-                        1,
-                        d as isize,
-                        0.0,
-                        tiles.logits.as_mut_ptr(),
-                        most as isize,
-                        1,
-                    );
-                }
+                // logits[np][most] = q[np][d] . k[most][d]^T (k read transposed)
+                let (lg, k) = (&mut tiles.logits[..np * most], &tiles.k[..most * d]);
+                gemm([np, d, most], self.scale, q, [d, 1], k, [1, d], lg);
                 for slot in 0..np {
                     let i = block.start + slot / gs;
                     let visible = (self.base + i + 1).saturating_sub(first).min(most);
@@ -193,25 +174,16 @@ impl Prefill<'_> {
                     w[seen..].fill(0.0);
                 }
                 // part[np][d] = weights[np][most] . v[most][d]
-                // SAFETY: as above: np x most, most x d and np x d values.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        np,
-                        most,
-                        d,
-                        1.0,
-                        tiles.weights.as_ptr(),
-                        most as isize,
-                        1,
-                        tiles.v.as_ptr(),
-                        d as isize,
-                        1,
-                        0.0,
-                        tiles.part.as_mut_ptr(),
-                        d as isize,
-                        1,
-                    );
-                }
+                let (w, v) = (&tiles.weights[..np * most], &tiles.v[..most * d]);
+                gemm(
+                    [np, most, d],
+                    1.0,
+                    w,
+                    [most, 1],
+                    v,
+                    [d, 1],
+                    &mut tiles.part[..np * d],
+                );
                 for slot in 0..np {
                     let i = block.start + slot / gs;
                     let st = &mut states[(i - rows.start) * gs + slot % gs];
@@ -223,10 +195,7 @@ impl Prefill<'_> {
         }
         let mut out = vec![0.0f32; states.len() * d];
         for (o, st) in out.chunks_exact_mut(d).zip(&states) {
-            o.copy_from_slice(&st.acc);
-            rotate_rows(o, d)?;
-            let inv = 1.0 / st.sum;
-            o.iter_mut().for_each(|x| *x *= inv);
+            finish(st, o, d)?;
         }
         Ok(out)
     }
@@ -281,5 +250,50 @@ impl Prefill<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// `c[m][n] = alpha a[m][k] . b[k][n]` over row-major `c`, `a` and `b` at the given
+/// `[row, column]` strides (`b` with strides `[1, k]` is a `[n][k]` matrix read transposed).
+/// Every operand is checked to hold what the strides reach, so the unsafe call stays in bounds.
+fn gemm(
+    [m, k, n]: [usize; 3],
+    alpha: f32,
+    a: &[f32],
+    [rsa, csa]: [usize; 2],
+    b: &[f32],
+    [rsb, csb]: [usize; 2],
+    c: &mut [f32],
+) {
+    let reach = |rows: usize, cols: usize, rs: usize, cs: usize| {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * rs + (cols - 1) * cs + 1
+        }
+    };
+    assert!(
+        a.len() >= reach(m, k, rsa, csa) && b.len() >= reach(k, n, rsb, csb) && c.len() >= m * n,
+        "gemm operands"
+    );
+    // SAFETY: the assertion above keeps every element the strides address inside `a`, `b`
+    // and `c`; `c` is borrowed mutably, so it overlaps neither input.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            alpha,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
     }
 }
