@@ -14,9 +14,12 @@ Per model, one JSON line (``--json``; a table otherwise):
   own cache on every prompt (``prompts`` real texts, 32 new tokens each).
 - ``kl_ratio_to_hf``: mean KL of next-token distributions, sjkvarn 4/4 in vLLM against vLLM's
   exact run, divided by the same for the transformers path (``sjkvarn.hf.SJKVCache`` with the
-  journal vLLM's blocks give: sink, own block exact, f16 rows, keys as appended) against
+  journal vLLM's blocks give: sink, own block exact, f16 rows, keys as appended; the prompt
+  prefilled in 128-token chunks on block boundaries, as the backend reads it) against
   transformers' exact cache; the last ``positions`` positions of ``histories`` real histories
-  of ``history_tokens`` tokens.
+  of ``history_tokens`` tokens, with a paired bootstrap interval over histories
+  (``kl_ratio_to_hf_ci``). ``kl_ratio_to_hf_one_pass``: the same against a transformers run
+  that prefills each prompt in one call.
 - ``prefix_caching``: two requests sharing a 2,048-token prefix (the second reads the first's
   blocks, ``num_cached_tokens``) give the tokens each gives alone on an empty cache.
 - ``requests``: concurrent requests of different lengths served in one ``generate`` call;
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -45,6 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "eval" / "data"
 NEW_TOKENS = 32
+BLOCK_TOKENS = 128  # the backend's block size (one sealed record)
 PREFIX = 2048
 
 # Histories for the KL figure and prompts for the greedy and throughput checks: every kind of
@@ -60,7 +63,7 @@ def _engine(model: str, mode: str, max_len: int, prefix_caching: bool = True) ->
         dtype="float32",
         max_model_len=max_len,
         enforce_eager=True,
-        block_size=128,
+        block_size=BLOCK_TOKENS,
         seed=0,
         enable_prefix_caching=prefix_caching,
         max_logprobs=-1,
@@ -160,8 +163,13 @@ def phase(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _hf_kl(folder: str, histories: list[list[int]], positions: int) -> float:
-    """Mean KL of the transformers path (SJKVCache, vLLM's block journal) against exact."""
+def _hf_kls(folder: str, histories: list[list[int]], positions: int) -> dict[str, Any]:
+    """KL per scored position (``[histories, positions]``) of the transformers path
+    (``SJKVCache`` with vLLM's block journal) against transformers' exact cache, two ways:
+    ``blocks`` prefills in 128-token chunks on block boundaries, so every prompt position reads
+    its own block exact and earlier blocks coded, as vLLM's backend does; ``one_pass``
+    prefills the whole prompt in one call (its positions read earlier rows of their own block
+    sealed)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -169,39 +177,49 @@ def _hf_kl(folder: str, histories: list[list[int]], positions: int) -> float:
     from sjkvarn import hf
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    kls = []
+    journal = hf.config_for(model, min_tail=0, max_tail=128, staging="f16", centre_keys=False)
+
+    def run(cache: Any, ids: list[int], chunk: int) -> Any:
+        x = torch.tensor([ids])
+        cut = len(ids) - positions
+        rows = []
+        with torch.no_grad():
+            for lo in range(0, cut, chunk):
+                model(x[:, lo : min(lo + chunk, cut)], past_key_values=cache, use_cache=True)
+            for i in range(cut, len(ids)):
+                logits = model(x[:, i : i + 1], past_key_values=cache, use_cache=True).logits
+                rows.append(torch.log_softmax(logits[0, -1].double(), -1).numpy())
+        return np.stack(rows)
+
+    out: dict[str, list[Any]] = {"blocks": [], "one_pass": []}
     for ids in histories:
-        runs = []
-        for make in (
-            lambda: DynamicCache(config=model.config),
-            lambda: hf.SJKVCache(
-                model,
-                hf.config_for(model, min_tail=0, max_tail=128, staging="f16", centre_keys=False),
-            ),
-        ):
-            cache = make()
-            x = torch.tensor([ids])
-            cut = len(ids) - positions
-            rows = []
-            with torch.no_grad():
-                model(x[:, :cut], past_key_values=cache, use_cache=True)
-                for i in range(cut, len(ids)):
-                    logits = model(x[:, i : i + 1], past_key_values=cache, use_cache=True).logits
-                    rows.append(torch.log_softmax(logits[0, -1].double(), -1).numpy())
-            runs.append(np.stack(rows))
-        p, q = runs
-        kls.append((np.exp(p) * (p - q)).sum(-1))
-    return float(np.mean(np.concatenate(kls)))
+        exact = run(DynamicCache(config=model.config), ids, len(ids))
+        for name, chunk in (("blocks", BLOCK_TOKENS), ("one_pass", len(ids))):
+            q = run(hf.SJKVCache(model, journal), ids, chunk)
+            out[name].append(np.maximum((np.exp(exact) * (exact - q)).sum(-1), 0.0))
+    return {k: np.stack(v) for k, v in out.items()}
 
 
-def _kl(p: Any, q: Any) -> float:
-    """Mean KL(p || q) over positions of ``[histories, positions, vocab]`` log-probabilities."""
+def _kl(p: Any, q: Any) -> Any:
+    """KL(p || q) per position, ``[histories, positions]``, of ``[histories, positions, vocab]``
+    log-probabilities."""
     import numpy as np
 
     a, b = p.astype(np.float64), q.astype(np.float64)
     with np.errstate(invalid="ignore"):
         terms = np.where(np.isfinite(a), np.exp(a) * (a - b), 0.0)
-    return float(terms.sum(-1).mean())
+    return np.maximum(terms.sum(-1), 0.0)
+
+
+def _ratio(arm: Any, base: Any) -> dict[str, float]:
+    """Mean-KL ratio with its paired bootstrap interval over histories (rows)."""
+    import numpy as np
+
+    from sjkvarn.eval.stats import bootstrap_ratio
+
+    clusters = np.repeat(np.arange(arm.shape[0]), arm.shape[1])
+    point, lo, hi = bootstrap_ratio(arm.ravel(), base.ravel(), clusters=clusters)
+    return {"ratio": point, "ci_low": lo, "ci_high": hi}
 
 
 def _run_phase(base: argparse.Namespace, mode: str, **flags: bool) -> dict[str, Any]:
@@ -262,8 +280,10 @@ def check_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     progress("transformers path")
     tok = AutoTokenizer.from_pretrained(args.folder)
     histories = _token_prompts(tok, args.histories, [args.history_tokens])
-    hf_kl = _hf_kl(args.folder, histories, args.positions)
-    vllm_kl = _kl(base["dists"], coded["dists"])
+    hf_kls = _hf_kls(args.folder, histories, args.positions)
+    vllm_kls = _kl(base["dists"], coded["dists"])
+    to_blocks = _ratio(vllm_kls, hf_kls["blocks"])
+    to_one_pass = _ratio(vllm_kls, hf_kls["one_pass"])
     cfg = AutoConfig.from_pretrained(args.folder)
     cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     geo = dict(
@@ -293,9 +313,13 @@ def check_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "greedy_equal_prompts": sum(
             a == b for a, b in zip(lossless["greedy"], base["greedy"], strict=True)
         ),
-        "kl_vllm": vllm_kl,
-        "kl_hf": hf_kl,
-        "kl_ratio_to_hf": vllm_kl / hf_kl if hf_kl > 0 else math.inf,
+        "kl_vllm": float(vllm_kls.mean()),
+        "kl_hf": float(hf_kls["blocks"].mean()),
+        "kl_ratio_to_hf": to_blocks["ratio"],
+        "kl_ratio_to_hf_ci": [to_blocks["ci_low"], to_blocks["ci_high"]],
+        "kl_hf_one_pass": float(hf_kls["one_pass"].mean()),
+        "kl_ratio_to_hf_one_pass": to_one_pass["ratio"],
+        "kl_ratio_to_hf_one_pass_ci": [to_one_pass["ci_low"], to_one_pass["ci_high"]],
         "kl_positions": args.histories * args.positions,
         "prefix_caching": prefix["alone"] == prefix["shared"] and prefix["cached_tokens"] >= PREFIX,
         "prefix_cached_tokens": prefix["cached_tokens"],
