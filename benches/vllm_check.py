@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["smollm2", "gemma3", "both"], default="both")
     p.add_argument("--json", action="store_true", help="one JSON line per model")
     p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--histories", type=int, default=8)
+    p.add_argument("--histories", type=int, default=16)
     p.add_argument("--history-tokens", type=int, default=2048)
     p.add_argument("--positions", type=int, default=16)
     # Internal: one engine's phase.

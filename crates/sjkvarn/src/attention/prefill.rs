@@ -1,6 +1,6 @@
 //! Chunked prefill as matrix products: many query rows against a layer, each block decoded
 //! once per work item into dense rotated rows, then scored and summed by an f32 GEMM
-//! (`matrixmultiply`) with an online softmax between the two products.
+//! (the `gemm` crate, one thread per product) with an online softmax between the two products.
 //!
 //! Decode calls (a few rows) read records in place ([`super::fold_record`]): there each decoded
 //! value would serve a handful of queries, so decoding costs more than it saves. A prefill
@@ -277,23 +277,69 @@ fn gemm(
         "gemm operands"
     );
     // SAFETY: the assertion above keeps every element the strides address inside `a`, `b`
-    // and `c`; `c` is borrowed mutably, so it overlaps neither input.
+    // and `c`; `c` is borrowed mutably, so it overlaps neither input. `c` is not read
+    // (`read_dst` false): `c = alpha a b`.
     unsafe {
-        matrixmultiply::sgemm(
+        gemm::gemm(
             m,
-            k,
             n,
-            alpha,
-            a.as_ptr(),
-            rsa as isize,
-            csa as isize,
-            b.as_ptr(),
-            rsb as isize,
-            csb as isize,
-            0.0,
+            k,
             c.as_mut_ptr(),
-            n as isize,
             1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            csa as isize,
+            rsa as isize,
+            b.as_ptr(),
+            csb as isize,
+            rsb as isize,
+            0.0f32,
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm;
+    use crate::rng::SplitMix64;
+
+    /// The wrapper computes `alpha a b` for both layouts the prefill uses (`b` row-major, and
+    /// `b` read transposed), empty products included, whatever `c` held before.
+    #[test]
+    fn gemm_matches_the_plain_product_for_both_layouts() {
+        let mut rng = SplitMix64::new(3);
+        for [m, k, n] in [[192, 64, 512], [7, 33, 5], [1, 1, 1], [0, 4, 3], [3, 0, 2]] {
+            let a = rng.gaussians(m * k);
+            let b = rng.gaussians(k * n);
+            for transposed in [false, true] {
+                // `b` as [k][n] row-major, or the same matrix stored [n][k] and read transposed.
+                let (stored, strides) = if transposed {
+                    let t: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+                    (t, [1, k])
+                } else {
+                    (b.clone(), [n, 1])
+                };
+                let mut c = vec![f32::NAN; m * n];
+                gemm([m, k, n], 0.5, &a, [k, 1], &stored, strides, &mut c);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|l| a[i * k + l] as f64 * b[l * n + j] as f64)
+                            .sum();
+                        let got = c[i * n + j] as f64;
+                        assert!(
+                            (got - 0.5 * want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{m} {k} {n}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
