@@ -664,9 +664,7 @@ fn sealed_records_attend_as_their_decoded_rows() {
                 by_head <= 1e-3,
                 "{coding:?}: {by_head:.2e} of a head's largest entry"
             );
-            if coding.v_coding == BodyCoding::Scalar {
-                assert!(err <= 3e-4, "{coding:?}: error {err:.2e} of the norm");
-            }
+            assert!(err <= 3e-4, "{coding:?}: error {err:.2e} of the norm");
         }
     }
 }
