@@ -1012,9 +1012,14 @@ fn write_head(
 /// One pair's output from its state: the value sum normalised and rotated back to the model
 /// frame.
 fn finish(st: &Softmax, o: &mut [f32], d: usize) -> CacheResult<()> {
-    o.copy_from_slice(&st.acc);
+    finish_sums(&st.acc, st.sum, o, d)
+}
+
+/// [`finish`] from a value sum `acc` and a weight sum `sum`.
+fn finish_sums(acc: &[f32], sum: f32, o: &mut [f32], d: usize) -> CacheResult<()> {
+    o.copy_from_slice(acc);
     rotate_rows(o, d)?;
-    let inv = 1.0 / st.sum;
+    let inv = 1.0 / sum;
     o.iter_mut().for_each(|x| *x *= inv);
     Ok(())
 }
@@ -1199,6 +1204,30 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// Prefill items that share decoded key tiles give the bits of items that each decode
+    /// their own, for scalar and trellis records, the sink and the ring.
+    #[test]
+    fn shared_prefill_tiles_give_the_same_bits() {
+        use std::sync::atomic::Ordering;
+        let trellis = LayerCoding {
+            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            ..LayerCoding::scalar(3, 2)
+        };
+        for coding in [LayerCoding::scalar(4, 4), trellis] {
+            let mut rng = SplitMix64::new(29);
+            let seq = filled(6, 3, 64, coding, 5000, &mut rng);
+            assert!(seq.memory().sealed_tokens > 0);
+            // Three items per KV head, on two threads.
+            let q = rng.gaussians(2100 * 6 * 64);
+            let shared = attend_with_threads(&seq, 0, &q, None, Some(2)).unwrap();
+            prefill::SHARE_TILES.store(false, Ordering::Relaxed);
+            let own = attend_with_threads(&seq, 0, &q, None, Some(2));
+            prefill::SHARE_TILES.store(true, Ordering::Relaxed);
+            assert!(same_bits(&shared, &own.unwrap()));
+        }
     }
 
     /// Calls below the work threshold run on the caller alone, whatever the limit.

@@ -102,6 +102,56 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     y * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
+/// [`exp_nonpositive`] with fused multiply-adds (the same reduction and polynomial), for the
+/// prefill products, whose f32 GEMMs already leave the decode path's bit-for-bit rules: about
+/// half the operations where the CPU has FMA. `f32::mul_add` is exactly rounded on every
+/// build (a library call where the instruction set has none), so every SIMD level still gives
+/// the same bits.
+#[inline(always)]
+pub(crate) fn exp_nonpositive_fused(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUNDER: f32 = 12_582_912.0;
+    let x = if x < -87.0 { -87.0 } else { x };
+    let shifted = x.mul_add(LOG2E, ROUNDER);
+    let n = shifted - ROUNDER;
+    let n_int = shifted.to_bits() as i32 - ROUNDER.to_bits() as i32;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let y = p.mul_add(r * r, r) + 1.0;
+    y * f32::from_bits(((n_int + 127) as u32) << 23)
+}
+
+/// Writes `w[i] = exp(x[i] - max)` for the first `visible` entries and zeros after them, and
+/// returns their sum (the order of [`lane_sum`]) in the same pass.
+#[inline(always)]
+pub(crate) fn exp_sum_fused(x: &[f32], max: f32, visible: usize, w: &mut [f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let (head, tail) = w.split_at_mut(visible);
+    let mut wc = head.chunks_exact_mut(LANES);
+    let mut xc = x[..visible].chunks_exact(LANES);
+    for (wv, xv) in wc.by_ref().zip(xc.by_ref()) {
+        for l in 0..LANES {
+            let e = exp_nonpositive_fused(xv[l] - max);
+            wv[l] = e;
+            lanes[l] += e;
+        }
+    }
+    let mut rest = 0.0f32;
+    for (o, &v) in wc.into_remainder().iter_mut().zip(xc.remainder()) {
+        *o = exp_nonpositive_fused(v - max);
+        rest += *o;
+    }
+    tail.fill(0.0);
+    pairwise(&mut lanes) + rest
+}
+
 /// Sum in a fixed order: 16 lane sums over ascending 16-value chunks, a pairwise reduction of
 /// the lanes, then the remainder's ascending sum added last.
 #[inline(always)]
@@ -122,7 +172,7 @@ pub(crate) fn lane_sum(xs: &[f32]) -> f32 {
 
 /// Largest value (`-inf` for none); the order does not matter for finite values.
 #[inline(always)]
-fn lane_max(xs: &[f32]) -> f32 {
+pub(crate) fn lane_max(xs: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
     let mut tail = f32::NEG_INFINITY;
@@ -169,6 +219,44 @@ mod tests {
         );
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(f32::NEG_INFINITY) < 2e-38);
+    }
+
+    /// The fused exponential keeps the same accuracy, and the fused pass writes what the
+    /// separate exponentials and sum give (up to rounding), zeros past `visible`.
+    #[test]
+    fn fused_exp_matches_the_standard_library() {
+        let mut worst = 0.0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let (got, want) = (exp_nonpositive_fused(x) as f64, (x as f64).exp());
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(
+            worst < 3.0 * f32::EPSILON as f64,
+            "worst relative error {worst:e}"
+        );
+        assert_eq!(exp_nonpositive_fused(0.0), 1.0);
+        assert!(exp_nonpositive_fused(f32::NEG_INFINITY) < 2e-38);
+        assert!(exp_nonpositive_fused(f32::NAN).is_nan());
+        let xs: Vec<f32> = (0..135).map(|i| -(((i * 37) % 101) as f32) / 9.0).collect();
+        for visible in [0usize, 1, 15, 16, 17, 128, 135] {
+            let mut w = vec![f32::NAN; 135];
+            let sum = exp_sum_fused(&xs, -0.5, visible, &mut w);
+            let mut want = 0.0f64;
+            for (i, (&wi, &x)) in w.iter().zip(&xs).enumerate() {
+                if i < visible {
+                    let e = ((x + 0.5) as f64).exp();
+                    assert!((wi as f64 - e).abs() <= 3e-7 * e, "{visible} {i}");
+                    want += e;
+                } else {
+                    assert_eq!(wi, 0.0, "{visible} {i}");
+                }
+            }
+            assert!(
+                (sum as f64 - want).abs() <= 1e-5 * want.max(1.0),
+                "{visible}"
+            );
+        }
     }
 
     /// The fixed-order sum and max agree with plain ones (up to rounding for the sum).

@@ -12,8 +12,8 @@
 //! never by the thread count, and each item runs alone in a fixed order: the result is the
 //! same for every thread count.
 
-use super::online_softmax::Softmax;
-use super::{finish, Job};
+use super::online_softmax::{exp_nonpositive_fused, exp_sum_fused, lane_max};
+use super::{finish_sums, Job};
 use crate::cache::CacheResult;
 use crate::codec::extension::body::GROUP;
 use crate::parallel::run_items;
@@ -34,6 +34,26 @@ const ROW_BLOCK: usize = 64;
 /// items decode less; 1,024 rows still give a 4,096-row chunk four items per KV head.
 const ROWS_PER_ITEM: usize = 1024;
 
+/// Largest total of decoded key tiles (K and V rows of every KV head, f32) a call keeps for
+/// all its items to share; a larger layer is decoded by each item for itself.
+const SHARED_TILE_BYTES: usize = 64 << 20;
+
+/// Off in a test that compares both paths (which give the same bits).
+#[cfg(test)]
+pub(super) static SHARE_TILES: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// Whether calls may share decoded tiles (always, outside that test).
+fn may_share() -> bool {
+    #[cfg(test)]
+    return SHARE_TILES.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(test))]
+    true
+}
+
+/// One decoded key tile: rotated K rows and V rows, `[positions][d]` each.
+type DenseTile = (Vec<f32>, Vec<f32>);
+
 /// The geometry of one call.
 pub(super) struct Prefill<'a> {
     pub(super) job: &'a Job<'a>,
@@ -48,13 +68,19 @@ pub(super) struct Prefill<'a> {
     pub(super) level: SimdLevel,
 }
 
+/// Key tiles decoded once per call, `[kv_head][tile]`, by the first item that reads each (every
+/// item decodes the same rows, so which one does it does not change the result).
+struct SharedTiles {
+    tiles: Vec<std::sync::OnceLock<DenseTile>>,
+    per_head: usize,
+}
+
 /// Buffers of one participant.
 struct Tiles {
     k: Vec<f32>,
     v: Vec<f32>,
     logits: Vec<f32>,
     weights: Vec<f32>,
-    part: Vec<f32>,
 }
 
 impl Prefill<'_> {
@@ -66,6 +92,17 @@ impl Prefill<'_> {
         // Item `i`'s (KV head, row block): the last row blocks, which see the most positions,
         // are taken first, so that the items left for the end are the short ones.
         let item_of = |i: usize| (i % kvh, per_head - 1 - i / kvh);
+        let len = self.base + self.n;
+        let shared = (len * kvh * d * 2 * 4 <= SHARED_TILE_BYTES && per_head > 1 && may_share())
+            .then(|| {
+                let per_head = len.div_ceil(KEY_TILE);
+                SharedTiles {
+                    tiles: (0..kvh * per_head)
+                        .map(|_| std::sync::OnceLock::new())
+                        .collect(),
+                    per_head,
+                }
+            });
         let parts = run_items(
             kvh * per_head,
             threads,
@@ -74,12 +111,11 @@ impl Prefill<'_> {
                 v: vec![0.0; KEY_TILE * d],
                 logits: vec![0.0; pairs * KEY_TILE],
                 weights: vec![0.0; pairs * KEY_TILE],
-                part: vec![0.0; pairs * d],
             },
             |tiles, item| {
                 let (h, block) = item_of(item);
                 let rows = block * ROWS_PER_ITEM..((block + 1) * ROWS_PER_ITEM).min(self.n);
-                self.item_at(h, rows, tiles)
+                self.item_at(h, rows, tiles, shared.as_ref())
             },
         );
         let mut out = vec![0.0f32; self.n * self.qh * d];
@@ -100,16 +136,17 @@ impl Prefill<'_> {
         h: usize,
         rows: std::ops::Range<usize>,
         tiles: &mut Tiles,
+        shared: Option<&SharedTiles>,
     ) -> CacheResult<Vec<f32>> {
         match self.level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx512` is only chosen after the CPU reported every feature the function
             // is compiled with (`simd::detected_level`, or a test that checked it).
-            SimdLevel::Avx512 => unsafe { self.item_avx512(h, rows, tiles) },
+            SimdLevel::Avx512 => unsafe { self.item_avx512(h, rows, tiles, shared) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, for AVX2 and FMA.
-            SimdLevel::Avx2 => unsafe { self.item_avx2(h, rows, tiles) },
-            _ => self.item(h, rows, tiles),
+            SimdLevel::Avx2 => unsafe { self.item_avx2(h, rows, tiles, shared) },
+            _ => self.item(h, rows, tiles, shared),
         }
     }
 
@@ -120,8 +157,9 @@ impl Prefill<'_> {
         h: usize,
         rows: std::ops::Range<usize>,
         tiles: &mut Tiles,
+        shared: Option<&SharedTiles>,
     ) -> CacheResult<Vec<f32>> {
-        self.item(h, rows, tiles)
+        self.item(h, rows, tiles, shared)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -131,8 +169,9 @@ impl Prefill<'_> {
         h: usize,
         rows: std::ops::Range<usize>,
         tiles: &mut Tiles,
+        shared: Option<&SharedTiles>,
     ) -> CacheResult<Vec<f32>> {
-        self.item(h, rows, tiles)
+        self.item(h, rows, tiles, shared)
     }
 
     /// Query rows `rows` of KV head `h`: their normalised outputs in the model frame,
@@ -143,14 +182,44 @@ impl Prefill<'_> {
         h: usize,
         rows: std::ops::Range<usize>,
         tiles: &mut Tiles,
+        shared: Option<&SharedTiles>,
     ) -> CacheResult<Vec<f32>> {
         let (d, gs) = (self.job.d, self.gs);
+        let Tiles {
+            k: own_k,
+            v: own_v,
+            logits,
+            weights,
+        } = tiles;
         let head = &self.rotated[h * self.n * gs * d..(h + 1) * self.n * gs * d];
-        let mut states = vec![Softmax::new(d); rows.len() * gs];
+        let pairs = rows.len() * gs;
+        // Each pair's running maximum and weight sum; the value sums `[pairs][d]` in one
+        // matrix, so the value product adds into them.
+        let mut max = vec![f32::NEG_INFINITY; pairs];
+        let mut sum = vec![0.0f32; pairs];
+        let mut acc = vec![0.0f32; pairs * d];
         let end = self.base + rows.end; // one past the last position any row sees
         for first in (0..end).step_by(KEY_TILE) {
             let keys = KEY_TILE.min(end - first);
-            self.dense_rows(h, first, keys, tiles)?;
+            let (kt, vt): (&[f32], &[f32]) = match shared {
+                Some(sh) => {
+                    let slot = &sh.tiles[h * sh.per_head + first / KEY_TILE];
+                    if slot.get().is_none() {
+                        // The whole tile (later items read further into it).
+                        let count = KEY_TILE.min(self.base + self.n - first);
+                        let (mut k, mut v) = (vec![0.0; count * d], vec![0.0; count * d]);
+                        self.dense_rows(h, first, count, &mut k, &mut v)?;
+                        // Another item may have set it meanwhile: the same rows.
+                        let _ = slot.set((k, v));
+                    }
+                    let (k, v) = slot.get().expect("set above");
+                    (k, v)
+                }
+                None => {
+                    self.dense_rows(h, first, keys, own_k, own_v)?;
+                    (own_k, own_v)
+                }
+            };
             for block in (rows.start..rows.end).step_by(ROW_BLOCK) {
                 let block = block..(block + ROW_BLOCK).min(rows.end);
                 // Columns the block's last row sees; rows before `first` see none.
@@ -159,56 +228,56 @@ impl Prefill<'_> {
                     continue;
                 }
                 let np = block.len() * gs;
+                let at = (block.start - rows.start) * gs; // the block's first pair
                 let q = &head[block.start * gs * d..block.end * gs * d];
                 // logits[np][most] = q[np][d] . k[most][d]^T (k read transposed)
-                let (lg, k) = (&mut tiles.logits[..np * most], &tiles.k[..most * d]);
-                gemm([np, d, most], self.scale, q, [d, 1], k, [1, d], lg);
+                let (lg, k) = (&mut logits[..np * most], &kt[..most * d]);
+                gemm([np, d, most], self.scale, q, [d, 1], k, [1, d], lg, false);
                 for slot in 0..np {
                     let i = block.start + slot / gs;
                     let visible = (self.base + i + 1).saturating_sub(first).min(most);
-                    let lg = &tiles.logits[slot * most..(slot + 1) * most];
-                    let w = &mut tiles.weights[slot * most..(slot + 1) * most];
-                    let st = &mut states[(i - rows.start) * gs + slot % gs];
+                    let lg = &logits[slot * most..(slot + 1) * most];
+                    let w = &mut weights[slot * most..(slot + 1) * most];
+                    let p = at + slot;
                     // A row that sees none of the tile (or none yet) adds zeros.
-                    let seen = if st.fold(lg, visible, w) { visible } else { 0 };
-                    w[seen..].fill(0.0);
-                }
-                // part[np][d] = weights[np][most] . v[most][d]
-                let (w, v) = (&tiles.weights[..np * most], &tiles.v[..most * d]);
-                gemm(
-                    [np, most, d],
-                    1.0,
-                    w,
-                    [most, 1],
-                    v,
-                    [d, 1],
-                    &mut tiles.part[..np * d],
-                );
-                for slot in 0..np {
-                    let i = block.start + slot / gs;
-                    let st = &mut states[(i - rows.start) * gs + slot % gs];
-                    for (a, &x) in st.acc.iter_mut().zip(&tiles.part[slot * d..(slot + 1) * d]) {
-                        *a += x;
+                    if visible == 0 {
+                        w.fill(0.0);
+                        continue;
                     }
+                    let new_max = max[p].max(lane_max(&lg[..visible]));
+                    let rescale = exp_nonpositive_fused(max[p] - new_max);
+                    if rescale != 1.0 {
+                        sum[p] *= rescale;
+                        acc[p * d..(p + 1) * d]
+                            .iter_mut()
+                            .for_each(|a| *a *= rescale);
+                    }
+                    max[p] = new_max;
+                    sum[p] += exp_sum_fused(lg, new_max, visible, w);
                 }
+                // acc[np][d] += weights[np][most] . v[most][d]
+                let (w, v) = (&weights[..np * most], &vt[..most * d]);
+                let acc = &mut acc[at * d..(at + np) * d];
+                gemm([np, most, d], 1.0, w, [most, 1], v, [d, 1], acc, true);
             }
         }
-        let mut out = vec![0.0f32; states.len() * d];
-        for (o, st) in out.chunks_exact_mut(d).zip(&states) {
-            finish(st, o, d)?;
+        let mut out = vec![0.0f32; pairs * d];
+        for ((o, a), &s) in out.chunks_exact_mut(d).zip(acc.chunks_exact(d)).zip(&sum) {
+            finish_sums(a, s, o, d)?;
         }
         Ok(out)
     }
 
-    /// Rotated K and V rows of positions `first..first + count` of KV head `h` into the tiles:
-    /// the sink from its fp16 rows, body records decoded, ring rows from their staging.
+    /// Rotated K and V rows of positions `first..first + count` of KV head `h` into `kt` and
+    /// `vt`: the sink from its fp16 rows, body records decoded, ring rows from their staging.
     #[inline(always)]
     fn dense_rows(
         &self,
         h: usize,
         first: usize,
         count: usize,
-        tiles: &mut Tiles,
+        kt: &mut [f32],
+        vt: &mut [f32],
     ) -> CacheResult<()> {
         let job = self.job;
         let (lj, d, kvh) = (job.lj, job.d, job.kvh);
@@ -219,8 +288,8 @@ impl Prefill<'_> {
         while pos < end.min(sink_end) {
             let at = (pos * kvh + h) * d;
             let t = (pos - first) * d;
-            lj.scored_sink_k()[at..at + d].convert_to_f32_slice(&mut tiles.k[t..t + d]);
-            lj.sink_v[at..at + d].convert_to_f32_slice(&mut tiles.v[t..t + d]);
+            lj.scored_sink_k()[at..at + d].convert_to_f32_slice(&mut kt[t..t + d]);
+            lj.sink_v[at..at + d].convert_to_f32_slice(&mut vt[t..t + d]);
             pos += 1;
         }
         // Body records.
@@ -235,8 +304,8 @@ impl Prefill<'_> {
             let upto = end.min(start + GROUP);
             let (from, to) = ((pos - start) * d, (upto - start) * d);
             let t = (pos - first) * d;
-            tiles.k[t..t + to - from].copy_from_slice(&k[from..to]);
-            tiles.v[t..t + to - from].copy_from_slice(&v[from..to]);
+            kt[t..t + to - from].copy_from_slice(&k[from..to]);
+            vt[t..t + to - from].copy_from_slice(&v[from..to]);
             pos = upto;
         }
         // Ring.
@@ -244,8 +313,8 @@ impl Prefill<'_> {
             let ring = job.seq.ring_cursor(lj, ring_start, h);
             while pos < end {
                 let t = (pos - first) * d;
-                ring.row(pos, false, &mut tiles.k[t..t + d]);
-                ring.row(pos, true, &mut tiles.v[t..t + d]);
+                ring.row(pos, false, &mut kt[t..t + d]);
+                ring.row(pos, true, &mut vt[t..t + d]);
                 pos += 1;
             }
         }
@@ -253,9 +322,11 @@ impl Prefill<'_> {
     }
 }
 
-/// `c[m][n] = alpha a[m][k] . b[k][n]` over row-major `c`, `a` and `b` at the given
-/// `[row, column]` strides (`b` with strides `[1, k]` is a `[n][k]` matrix read transposed).
-/// Every operand is checked to hold what the strides reach, so the unsafe call stays in bounds.
+/// `c[m][n] = alpha a[m][k] . b[k][n]` (`c +=` that when `accumulate`) over row-major `c`,
+/// `a` and `b` at the given `[row, column]` strides (`b` with strides `[1, k]` is a `[n][k]`
+/// matrix read transposed). Every operand is checked to hold what the strides reach, so the
+/// unsafe call stays in bounds.
+#[allow(clippy::too_many_arguments)]
 fn gemm(
     [m, k, n]: [usize; 3],
     alpha: f32,
@@ -264,6 +335,7 @@ fn gemm(
     b: &[f32],
     [rsb, csb]: [usize; 2],
     c: &mut [f32],
+    accumulate: bool,
 ) {
     let reach = |rows: usize, cols: usize, rs: usize, cs: usize| {
         if rows == 0 || cols == 0 {
@@ -277,8 +349,8 @@ fn gemm(
         "gemm operands"
     );
     // SAFETY: the assertion above keeps every element the strides address inside `a`, `b`
-    // and `c`; `c` is borrowed mutably, so it overlaps neither input. `c` is not read
-    // (`read_dst` false): `c = alpha a b`.
+    // and `c`; `c` is borrowed mutably, so it overlaps neither input. `c` is read only when
+    // accumulating (`c = 1 c + alpha a b`), else `c = alpha a b`.
     unsafe {
         gemm::gemm(
             m,
@@ -287,14 +359,14 @@ fn gemm(
             c.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             a.as_ptr(),
             csa as isize,
             rsa as isize,
             b.as_ptr(),
             csb as isize,
             rsb as isize,
-            0.0f32,
+            if accumulate { 1.0f32 } else { 0.0 },
             alpha,
             false,
             false,
@@ -309,14 +381,16 @@ mod tests {
     use super::gemm;
     use crate::rng::SplitMix64;
 
-    /// The wrapper computes `alpha a b` for both layouts the prefill uses (`b` row-major, and
-    /// `b` read transposed), empty products included, whatever `c` held before.
+    /// The wrapper computes `alpha a b`, or adds it to `c`, for both layouts the prefill uses
+    /// (`b` row-major, and `b` read transposed), empty products included; without
+    /// `accumulate` whatever `c` held before is ignored.
     #[test]
     fn gemm_matches_the_plain_product_for_both_layouts() {
         let mut rng = SplitMix64::new(3);
         for [m, k, n] in [[192, 64, 512], [7, 33, 5], [1, 1, 1], [0, 4, 3], [3, 0, 2]] {
             let a = rng.gaussians(m * k);
             let b = rng.gaussians(k * n);
+            let before = rng.gaussians(m * n);
             for transposed in [false, true] {
                 // `b` as [k][n] row-major, or the same matrix stored [n][k] and read transposed.
                 let (stored, strides) = if transposed {
@@ -325,18 +399,37 @@ mod tests {
                 } else {
                     (b.clone(), [n, 1])
                 };
-                let mut c = vec![f32::NAN; m * n];
-                gemm([m, k, n], 0.5, &a, [k, 1], &stored, strides, &mut c);
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: f64 = (0..k)
-                            .map(|l| a[i * k + l] as f64 * b[l * n + j] as f64)
-                            .sum();
-                        let got = c[i * n + j] as f64;
-                        assert!(
-                            (got - 0.5 * want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "{m} {k} {n}"
-                        );
+                for accumulate in [false, true] {
+                    let mut c = if accumulate {
+                        before.clone()
+                    } else {
+                        vec![f32::NAN; m * n]
+                    };
+                    gemm(
+                        [m, k, n],
+                        0.5,
+                        &a,
+                        [k, 1],
+                        &stored,
+                        strides,
+                        &mut c,
+                        accumulate,
+                    );
+                    for i in 0..m {
+                        for j in 0..n {
+                            let mut want: f64 = 0.5
+                                * (0..k)
+                                    .map(|l| a[i * k + l] as f64 * b[l * n + j] as f64)
+                                    .sum::<f64>();
+                            if accumulate {
+                                want += before[i * n + j] as f64;
+                            }
+                            let got = c[i * n + j] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{m} {k} {n} {accumulate}"
+                            );
+                        }
                     }
                 }
             }

@@ -5,7 +5,7 @@
 //! and the `q8_0` extension. Keys and values may use different types ([`RingRows`]).
 
 use super::config::Staging;
-use crate::codec::comparators::ggml::{block_scales, GgmlFormat};
+use crate::codec::comparators::ggml::GgmlFormat;
 use crate::codec::tq6;
 use crate::{CodecError, Result};
 use half::f16;
@@ -54,20 +54,10 @@ impl RowCodec {
                 }
             }
             Staging::Q8_0 => {
-                let f = GgmlFormat::Q8_0;
-                for (x, o) in row
-                    .chunks_exact(32)
-                    .zip(out.chunks_exact_mut(f.block_bytes()))
-                {
-                    let (d, _) = block_scales(f, x);
-                    if !f16::from_f32(d).is_finite() {
-                        return Err(CodecError::ScaleOverflow {
-                            what: "q8_0 staging scale",
-                            value: d,
-                        });
-                    }
-                    f.encode_block(x, o);
-                }
+                GgmlFormat::encode_q8_0_row(row, out).map_err(|d| CodecError::ScaleOverflow {
+                    what: "q8_0 staging scale",
+                    value: d,
+                })?;
             }
             Staging::F16 => {
                 for (x, o) in row.iter().zip(out.chunks_exact_mut(2)) {

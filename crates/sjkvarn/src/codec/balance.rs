@@ -54,11 +54,10 @@ fn reduce8(p: [f64; LANES]) -> f64 {
     ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
 }
 
-/// Sample standard deviation (`n - 1`) of `x[0], x[stride], ..., x[(n-1)*stride]`.
-// Inlined into `Balanced::run`'s FMA build: on its own, baseline x86-64 code calls the
-// runtime's `fma` routine for every `mul_add`.
-#[inline(always)]
-pub fn sample_std(x: &[f32], n: usize, stride: usize) -> f32 {
+/// Sample standard deviation (`n - 1`) of `x[0], x[stride], ..., x[(n-1)*stride]`: the
+/// contract's definition, which [`column_stds`] computes for many vectors at once.
+#[cfg(test)]
+fn sample_std(x: &[f32], n: usize, stride: usize) -> f32 {
     let chunk = n / LANES;
     let at = |l: usize, i: usize| x[(l * chunk + i) * stride] as f64;
     // Each lane's sum runs in order; the lanes advance together, so their eight dependency
@@ -139,6 +138,12 @@ pub struct Balanced {
     log_col: Vec<f64>,
     columns: ColumnSums,
     column_sd: Vec<f32>,
+    /// `m` transposed, `[C][R]`, and the tile recomputed in that layout: its columns are the
+    /// tile's rows, so the row spreads come from [`column_stds`] (the same bits as
+    /// [`sample_std`] per row, with SIMD lanes running across rows).
+    m_t: Vec<f32>,
+    tile_t: Vec<f32>,
+    row_sd: Vec<f32>,
 }
 
 impl Balanced {
@@ -152,6 +157,23 @@ impl Balanced {
         {
             let sr = self.s_row[r];
             for ((o, &x), &sc) in out.iter_mut().zip(src).zip(&self.s_col) {
+                *o = x / sc / sr;
+            }
+        }
+    }
+
+    /// [`Self::recompute`] into the transposed tile, `[C][R]`, from the transposed `m`: each
+    /// entry is the same two divisions in the same order.
+    #[inline(always)]
+    fn recompute_transposed(&mut self, r: usize) {
+        for (c, (out, src)) in self
+            .tile_t
+            .chunks_exact_mut(r)
+            .zip(self.m_t.chunks_exact(r))
+            .enumerate()
+        {
+            let sc = self.s_col[c];
+            for ((o, &x), &sr) in out.iter_mut().zip(src).zip(&self.s_row) {
                 *o = x / sc / sr;
             }
         }
@@ -210,6 +232,16 @@ impl Balanced {
         self.log_col.clear();
         self.log_col.resize(cols, 0.0);
         self.recompute(m, cols);
+        self.m_t.clear();
+        self.m_t.resize(rows * cols, 0.0);
+        for (r, row) in m.chunks_exact(cols).take(rows).enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                self.m_t[c * rows + r] = x;
+            }
+        }
+        self.tile_t.clear();
+        self.tile_t.resize(rows * cols, 0.0);
+        self.row_sd.resize(rows, 0.0);
         let step = |log: &mut f64, sd: f32| -> f32 {
             let sd = min_f32(max_f32(sd, 1e-3), 1e3);
             *log = min_f64(max_f64(*log + (sd as f64).ln(), -0.3), 10.0);
@@ -227,10 +259,17 @@ impl Balanced {
             for c in 0..cols {
                 self.s_col[c] = step(&mut self.log_col[c], self.column_sd[c]);
             }
-            self.recompute(m, cols);
+            // The row spreads of the tile with the new column scales, from its transpose.
+            self.recompute_transposed(rows);
+            column_stds(
+                &self.tile_t,
+                cols,
+                rows,
+                &mut self.columns,
+                &mut self.row_sd,
+            );
             for r in 0..rows {
-                let sd = sample_std(&self.tile[r * cols..(r + 1) * cols], cols, 1);
-                self.s_row[r] = step(&mut self.log_row[r], sd);
+                self.s_row[r] = step(&mut self.log_row[r], self.row_sd[r]);
             }
             self.recompute(m, cols);
         }
@@ -265,6 +304,47 @@ mod tests {
         assert!((sample_std(&x, 64, 1) as f64 - var.sqrt()).abs() < 1e-6);
         let strided: Vec<f32> = x.iter().flat_map(|&v| [v, 99.0]).collect();
         assert_eq!(sample_std(&strided, 64, 2), sample_std(&x, 64, 1));
+    }
+
+    /// The transposed row spreads give the bits of the definition: column passes, then
+    /// `sample_std` of each recomputed row, then the rows' scales.
+    #[test]
+    fn balancing_equals_the_per_row_definition() {
+        let mut rng = crate::rng::SplitMix64::new(4);
+        for (rows, cols) in [(128, 64), (128, 128), (64, 256), (8, 16)] {
+            let mut m = rng.gaussians(rows * cols);
+            m[3 * cols + 5] = 40.0;
+            let mut b = Balanced::default();
+            b.run(&m, rows, cols, 16);
+            // The definition, written out.
+            let (mut s_row, mut s_col) = (vec![1.0f32; rows], vec![1.0f32; cols]);
+            let (mut log_row, mut log_col) = (vec![0.0f64; rows], vec![0.0f64; cols]);
+            let recompute = |s_row: &[f32], s_col: &[f32]| -> Vec<f32> {
+                (0..rows * cols)
+                    .map(|i| m[i] / s_col[i % cols] / s_row[i / cols])
+                    .collect()
+            };
+            let step = |log: &mut f64, sd: f32| -> f32 {
+                let sd = min_f32(max_f32(sd, 1e-3), 1e3);
+                *log = min_f64(max_f64(*log + (sd as f64).ln(), -0.3), 10.0);
+                log.exp() as f32
+            };
+            let mut tile = recompute(&s_row, &s_col);
+            for _ in 0..16 {
+                for c in 0..cols {
+                    s_col[c] = step(&mut log_col[c], sample_std(&tile[c..], rows, cols));
+                }
+                tile = recompute(&s_row, &s_col);
+                for r in 0..rows {
+                    s_row[r] = step(&mut log_row[r], sample_std(&tile[r * cols..], cols, 1));
+                }
+                tile = recompute(&s_row, &s_col);
+            }
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&b.s_row), bits(&s_row), "{rows}x{cols}");
+            assert_eq!(bits(&b.s_col), bits(&s_col), "{rows}x{cols}");
+            assert_eq!(bits(&b.tile), bits(&tile), "{rows}x{cols}");
+        }
     }
 
     #[test]

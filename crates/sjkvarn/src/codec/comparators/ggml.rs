@@ -205,6 +205,19 @@ impl GgmlFormat {
         }
     }
 
+    /// `q8_0` blocks of a row of finite values (a multiple of 32 long): the bytes of
+    /// [`Self::encode_block`] per block, compiled 16 lanes wide where the CPU has AVX-512 (every
+    /// step is per value or a maximum, so the width does not change them). A block whose scale
+    /// does not fit fp16 stops the row: `Err(scale)`, with `out` partly written.
+    pub fn encode_q8_0_row(row: &[f32], out: &mut [u8]) -> Result<(), f32> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked just above).
+            return unsafe { q8_0_row_avx512(row, out) };
+        }
+        q8_0_row(row, out)
+    }
+
     /// Dequantizes one block exactly as `gguf.quants.dequantize` does.
     pub fn decode_block(self, bytes: &[u8], out: &mut [f32]) {
         let d = get_f16(bytes);
@@ -244,6 +257,52 @@ impl GgmlFormat {
     }
 }
 
+/// [`GgmlFormat::encode_q8_0_row`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU must have AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn q8_0_row_avx512(row: &[f32], out: &mut [u8]) -> Result<(), f32> {
+    q8_0_row(row, out)
+}
+
+#[inline(always)]
+fn q8_0_row(row: &[f32], out: &mut [u8]) -> Result<(), f32> {
+    let f = GgmlFormat::Q8_0;
+    for (x, o) in row
+        .chunks_exact(QK)
+        .zip(out.chunks_exact_mut(f.block_bytes()))
+    {
+        // The largest magnitude as an integer maximum of the bit patterns (the same value as
+        // `block_scales`' fold for finite values, and it vectorises).
+        let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+        let d = f32::from_bits(top) / 127.0;
+        if !f16::from_f32(d).is_finite() {
+            return Err(d);
+        }
+        let id = inverse_or_zero(d);
+        put_f16(o, d);
+        if id.is_finite() {
+            // |v id| <= 127 (and a little): `roundf_away` below 2^23 and `c_cast_byte` of a
+            // finite value in range, without their branches for the other cases.
+            for (b, &v) in o[2..34].iter_mut().zip(x) {
+                let n = v * id;
+                let a = n.abs();
+                let whole = a as i32 as f32;
+                let r = whole + if a - whole >= 0.5 { 1.0 } else { 0.0 };
+                *b = (if n < 0.0 { -r } else { r }) as i32 as u8;
+            }
+        } else {
+            // A subnormal scale (its inverse overflows): the general steps.
+            for (b, &v) in o[2..34].iter_mut().zip(x) {
+                *b = c_cast_byte(roundf_away(v * id));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +314,36 @@ mod tests {
         GgmlFormat::Q5_0,
         GgmlFormat::Q5_1,
     ];
+
+    /// The row encoder writes the bytes of `encode_block` per block on every path: halves,
+    /// zeros, denormals, extremes; and stops at a block whose scale overflows fp16.
+    #[test]
+    fn q8_0_rows_equal_their_blocks() {
+        let mut rng = crate::rng::SplitMix64::new(12);
+        let mut row = rng.gaussians(256);
+        row[..32].fill(0.0);
+        row[40] = 127.0;
+        row[41] = 0.5;
+        row[42] = -2.5;
+        row[70] = 1e-40;
+        row[100] = 6.0e6;
+        row[130] = -3.4e3;
+        row[224..256].fill(1e-40); // a subnormal scale
+        row[230] = -3e-40;
+        let f = GgmlFormat::Q8_0;
+        let mut want = vec![0u8; 8 * 34];
+        for (x, o) in row.chunks_exact(QK).zip(want.chunks_exact_mut(34)) {
+            f.encode_block(x, o);
+        }
+        let mut got = vec![0u8; 8 * 34];
+        GgmlFormat::encode_q8_0_row(&row, &mut got).unwrap();
+        assert_eq!(got, want);
+        let mut portable = vec![0u8; 8 * 34];
+        q8_0_row(&row, &mut portable).unwrap();
+        assert_eq!(portable, want);
+        row[200] = 1e7; // scale 78,740: past fp16
+        assert!(GgmlFormat::encode_q8_0_row(&row, &mut got).is_err());
+    }
 
     #[test]
     fn round_to_nearest_is_away_from_zero() {
