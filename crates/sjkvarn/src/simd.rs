@@ -35,6 +35,7 @@ pub fn detected_level() -> SimdLevel {
             && std::arch::is_x86_feature_detected!("avx512dq")
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
         {
             return SimdLevel::Avx512;
         }

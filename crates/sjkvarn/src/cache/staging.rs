@@ -80,15 +80,7 @@ impl RowCodec {
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         match self.staging {
             Staging::Tq6 => tq6::decode_row(bytes, out),
-            Staging::Q8_0 => {
-                let f = GgmlFormat::Q8_0;
-                for (o, x) in out
-                    .chunks_exact_mut(32)
-                    .zip(bytes.chunks_exact(f.block_bytes()))
-                {
-                    f.decode_block(x, o);
-                }
-            }
+            Staging::Q8_0 => GgmlFormat::decode_q8_0_row(bytes, out),
             Staging::F16 => {
                 // 16 values at a time through the slice conversion (F16C where present).
                 let mut halves = [f16::ZERO; 16];

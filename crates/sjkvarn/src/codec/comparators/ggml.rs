@@ -218,6 +218,26 @@ impl GgmlFormat {
         q8_0_row(row, out)
     }
 
+    /// `q8_0` blocks of a row decoded (`code * scale`, the values of [`Self::decode_block`]),
+    /// 16 at a time where the SIMD level is AVX-512: the ring's rows as attention reads them.
+    pub fn decode_q8_0_row(bytes: &[u8], out: &mut [f32]) {
+        let f = GgmlFormat::Q8_0;
+        let blocks = out.len() / QK;
+        assert!(bytes.len() >= blocks * f.block_bytes(), "q8_0 row bytes");
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx512() {
+            // SAFETY: the AVX-512 level is only chosen where the CPU reported AVX-512 F and
+            // F16C; `bytes` holds the blocks of `out` (asserted).
+            return unsafe { q8_0_decode_avx512(bytes, out, blocks) };
+        }
+        for (o, x) in out
+            .chunks_exact_mut(QK)
+            .zip(bytes.chunks_exact(f.block_bytes()))
+        {
+            f.decode_block(x, o);
+        }
+    }
+
     /// Dequantizes one block exactly as `gguf.quants.dequantize` does.
     pub fn decode_block(self, bytes: &[u8], out: &mut [f32]) {
         let d = get_f16(bytes);
@@ -303,6 +323,33 @@ fn q8_0_row(row: &[f32], out: &mut [u8]) -> Result<(), f32> {
     Ok(())
 }
 
+/// [`GgmlFormat::decode_q8_0_row`] on AVX-512: per block the fp16 scale converted (F16C,
+/// exact) and the codes widened and multiplied by it, 16 values per instruction.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and F16C; `bytes` must hold `blocks` blocks and `out` their
+/// values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn q8_0_decode_avx512(bytes: &[u8], out: &mut [f32], blocks: usize) {
+    use std::arch::x86_64::*;
+    let (src, dst) = (bytes.as_ptr(), out.as_mut_ptr());
+    for b in 0..blocks {
+        // SAFETY (whole block): block `b` lies inside `bytes`, its values inside `out`.
+        let blk = src.add(b * 34);
+        let scale =
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                u16::from_le_bytes([*blk, *blk.add(1)]) as i32,
+            )));
+        let s = _mm512_set1_ps(scale);
+        for k in 0..2 {
+            let codes = _mm_loadu_si128(blk.add(2 + 16 * k) as *const __m128i);
+            let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+            _mm512_storeu_ps(dst.add(b * QK + 16 * k), _mm512_mul_ps(v, s));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -343,6 +390,39 @@ mod tests {
         assert_eq!(portable, want);
         row[200] = 1e7; // scale 78,740: past fp16
         assert!(GgmlFormat::encode_q8_0_row(&row, &mut got).is_err());
+    }
+
+    /// The row decoder gives the values of `decode_block` per block, subnormal and
+    /// extreme scales included.
+    #[test]
+    fn q8_0_row_decoding_equals_the_blocks() {
+        let mut rng = crate::rng::SplitMix64::new(13);
+        let mut bytes = Vec::new();
+        for b in 0..8u32 {
+            let mut block = [0u8; 34];
+            let scale: u16 = match b {
+                0 => 0x0001, // smallest subnormal
+                1 => 0x7bff, // largest finite
+                2 => 0x8000, // negative zero
+                _ => (rng.next_u64() as u16) & 0x7bff,
+            };
+            block[..2].copy_from_slice(&scale.to_le_bytes());
+            for c in &mut block[2..] {
+                *c = rng.next_u64() as u8;
+            }
+            block[2] = 0x80; // -128
+            block[3] = 0x7f;
+            bytes.extend_from_slice(&block);
+        }
+        let (mut want, mut got) = (vec![0.0f32; 256], vec![0.0f32; 256]);
+        for (x, o) in bytes.chunks_exact(34).zip(want.chunks_exact_mut(QK)) {
+            GgmlFormat::Q8_0.decode_block(x, o);
+        }
+        GgmlFormat::decode_q8_0_row(&bytes, &mut got);
+        assert!(want
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]
