@@ -1137,6 +1137,15 @@ mod tests {
         seq
     }
 
+    /// 3-bit keys and 2-bit values, both trellis-coded along tokens.
+    fn trellis_3_2() -> LayerCoding {
+        LayerCoding {
+            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
+            ..LayerCoding::scalar(3, 2)
+        }
+    }
+
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
@@ -1150,11 +1159,7 @@ mod tests {
             .filter(|&l| l <= detected_level())
             .collect();
         eprintln!("levels compared: {levels:?}");
-        let trellis = LayerCoding {
-            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            ..LayerCoding::scalar(3, 2)
-        };
+        let trellis = trellis_3_2();
         for coding in [LayerCoding::scalar(4, 4), trellis] {
             let mut rng = SplitMix64::new(5);
             let seq = filled(8, 2, 128, coding, 5000, &mut rng);
@@ -1179,11 +1184,7 @@ mod tests {
             .num_threads(1)
             .build()
             .unwrap();
-        let trellis = LayerCoding {
-            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            ..LayerCoding::scalar(3, 2)
-        };
+        let trellis = trellis_3_2();
         let mut rng = SplitMix64::new(17);
         let mut cases = Vec::new();
         for (d, coding) in [(128, LayerCoding::scalar(4, 4)), (64, trellis)] {
@@ -1211,11 +1212,7 @@ mod tests {
     #[test]
     fn shared_prefill_tiles_give_the_same_bits() {
         use std::sync::atomic::Ordering;
-        let trellis = LayerCoding {
-            k_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            v_coding: BodyCoding::Trellis(TrellisAxis::Token),
-            ..LayerCoding::scalar(3, 2)
-        };
+        let trellis = trellis_3_2();
         for coding in [LayerCoding::scalar(4, 4), trellis] {
             let mut rng = SplitMix64::new(29);
             let seq = filled(6, 3, 64, coding, 5000, &mut rng);
