@@ -178,6 +178,25 @@ def test_diagnosis_measures_each_layer_against_exact_attention(model_and_tokeniz
         assert abs(sum(coded["mass"].values()) - 1) < 1e-3
         newest = layer["mass_on_newest"]
         assert 0 < newest[128] <= newest[1024] <= 1 + 1e-6
+        assert diagnose.sink_mass(layer) == coded["mass"]["sink"]
+        assert 0 <= coded["mass"]["sink"] <= 1
+    table = diagnose.summarize({"history_tokens": 672, "histories": {"coding": {"layers": report}}})
+    assert "| layer | sink | newest 128 |" in table
+
+
+def test_layered_arm_gives_its_first_layers_four_bits(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    net, _ = model_and_tokenizer
+    s = evaluation.EvalSettings(arms=["SJ-KVaRN 3/2t, 4/4 layers 0-11"])
+    arm = next(a for a in s.select_arms() if a.name == "SJ-KVaRN 3/2t, 4/4 layers 0-11")
+    assert arm.journal is not None
+    layers = net.config.num_hidden_layers
+    cfg = hf.config_for(net, **evaluation.layer_bits_of(arm.journal, layers))
+    coding = cfg.layer_coding()
+    assert coding[:12] == [(4, 4, "scalar", "scalar")] * 12
+    assert coding[12:] == [(3, 2, "trellis", "trellis")] * (layers - 12)
+    # a journal without the key is passed through unchanged
+    plain = dict(k_bits=4, v_bits=4)
+    assert evaluation.layer_bits_of(plain, layers) is plain
 
 
 def test_needles_are_placed_at_their_distance_and_scored(model_and_tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -87,6 +87,35 @@ def test_in_use_bytes_count_only_layers_that_hold_tokens() -> None:
     assert m["in_use_layers"] == 2 and m["in_use_bytes"] == m["allocated_bytes"]
 
 
+def test_layers_of_fewer_bits_occupy_less() -> None:
+    """With per-layer bits each layer's sealed records count at their own size: a 4/4 layer
+    beside a 3/2t layer holds what each holds in a cache of its own coding."""
+    gen = torch.Generator().manual_seed(2)
+    n = 900
+    k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+
+    def body_bytes(**coding: object) -> int:
+        cfg = sjkvarn.Config(
+            layers=2,
+            kv_heads=2,
+            head_dim=64,
+            min_tail=128,
+            max_tail=384,
+            max_tokens=4096,
+            **coding,
+        )
+        cache = sjkvarn.Cache(cfg)
+        for layer in range(2):
+            cache.append(layer, k, v)
+        return int(cache.memory()["body_bytes"])
+
+    four = body_bytes(k_bits=4, v_bits=4)
+    trellis = body_bytes(k_bits=3, v_bits=2, body="trellis")
+    mixed = body_bytes(layer_bits=[(4, 4, "scalar"), (3, 2, "trellis")])
+    assert trellis < four
+    assert mixed == four // 2 + trellis // 2
+
+
 def test_unknown_model() -> None:
     with pytest.raises(ValueError, match="unknown model"):
         memory.geometry("llama-9000")

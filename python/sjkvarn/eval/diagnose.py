@@ -72,6 +72,11 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "SJ default, exact window 64": dict(SMALL_RING, exact_recent=64),
     "SJ default, exact window 128": dict(SMALL_RING, exact_recent=128),
     "SJ keys as appended, exact window 128": dict(SMALL_RING, centre_keys=False, exact_recent=128),
+    # fewer body bits: which layers the 3/2t trellis body costs, and whether keys or values
+    "SJ default, 3/2t body": dict(SMALL_RING, k_bits=3, v_bits=2, body="trellis"),
+    "SJ default, 3/3t body": dict(SMALL_RING, k_bits=3, v_bits=3, body="trellis"),
+    "SJ default, 3/4 body": dict(SMALL_RING, k_bits=3, v_bits=4),
+    "SJ default, 4/2 body": dict(SMALL_RING, k_bits=4, v_bits=2),
 }
 CONFIG_SETS = {"seed": CONFIGS, "small": SMALL_CONFIGS}
 
@@ -241,6 +246,13 @@ def diagnose_history(
     return result
 
 
+def sink_mass(layer: dict[str, Any]) -> float:
+    """Exact attention mass on the sink's positions in one layer's entry (every configuration
+    of a diagnosis shares the exact probabilities; KVarN's have no sink region)."""
+    masses = (c["mass"]["sink"] for c in layer["configs"].values() if "sink" in c["mass"])
+    return next(masses, float("nan"))
+
+
 def summarize(report: dict[str, Any], top: float = 0.05) -> str:
     """Markdown tables of a diagnosis: per layer, each configuration's mean attention-output
     error (mean over histories), the attention mass on the newest positions, and, where a
@@ -264,18 +276,20 @@ def summarize(report: dict[str, Any], top: float = 0.05) -> str:
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Exact attention mass on the newest positions (mean over rows, heads, histories):",
+        "Exact attention mass on the sink (positions 0..127) and on the newest positions (mean "
+        "over rows, heads, histories):",
         "",
     ]
     windows = list(next(iter(hist.values()))["layers"][layers[0]]["mass_on_newest"])
-    lines += ["| layer | " + " | ".join(f"newest {w}" for w in windows) + " |"]
-    lines += ["|---|" + "---:|" * len(windows)]
+    lines += ["| layer | sink | " + " | ".join(f"newest {w}" for w in windows) + " |"]
+    lines += ["|---|---:|" + "---:|" * len(windows)]
     for ly in layers:
+        sink = mean([sink_mass(h["layers"][ly]) for h in hist.values()])
         cells = [
             f"{mean([h['layers'][ly]['mass_on_newest'][w] for h in hist.values()]):.3f}"
             for w in windows
         ]
-        lines.append(f"| {ly} | " + " | ".join(cells) + " |")
+        lines.append(f"| {ly} | {sink:.3f} | " + " | ".join(cells) + " |")
     replays = {n: h for n, h in hist.items() if "replay" in h}
     if replays:
         arm = next(iter(replays.values()))["replay"]["arm"]

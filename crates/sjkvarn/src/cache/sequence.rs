@@ -917,18 +917,28 @@ impl Sequence {
             .iter()
             .map(|l| l.ring.len() + window_bytes)
             .sum();
-        let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
-        let slot = self.pool.slot_bytes();
+        // A slot holds its layer's records only (the pool's slot size bounds the largest
+        // layer's), so layers coded with fewer bits occupy less.
+        let record_bytes = |i: usize, l: &LayerJournal| {
+            l.blocks.len() * self.config.kv_heads * self.config.record_bytes(i)
+        };
+        let body_bytes = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| record_bytes(i, l))
+            .sum();
         let in_use = self
             .layers
             .iter()
-            .filter(|l| l.len > 0)
-            .map(|l| (1, l.ring.len() + window_bytes + l.blocks.len() * slot));
+            .enumerate()
+            .filter(|(_, l)| l.len > 0)
+            .map(|(i, l)| (1, l.ring.len() + window_bytes + record_bytes(i, l)));
         memory_report(
             &self.config,
             &lens,
             ring_bytes,
-            slots * slot,
+            body_bytes,
             in_use.fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1)),
         )
     }
