@@ -105,7 +105,7 @@ def layer_bits_of(journal: dict[str, Any], layers: int) -> dict[str, Any]:
     4/4 scalar records and the others with the journal's own bits. SmolLM2-135M's layers 0-11
     are the ones whose exact attention puts under 2% of its mass on the sink; the 3/2t body
     costs them 1.3-5x the attention error of 4/4 (the others 1.1-2.2x; `docs/results/quality.md`,
-    "Where 3/2t loses")."""
+    "Where 3/2t loses on SmolLM2")."""
     if "four_bit_layers" not in journal:
         return journal
     j = dict(journal)
