@@ -42,19 +42,25 @@ def test_rule_matches_a_real_cache() -> None:
         check_rule(staging)
 
 
+def small_cache(**fields: object) -> sjkvarn.Cache:
+    """Two layers of two 64-wide KV heads, a 128..384-token ring: seals after 512 tokens."""
+    return sjkvarn.Cache(
+        sjkvarn.Config(
+            layers=2,
+            kv_heads=2,
+            head_dim=64,
+            min_tail=128,
+            max_tail=384,
+            max_chunk=64,
+            max_tokens=4096,
+            **fields,
+        )
+    )
+
+
 def check_rule(staging: str) -> None:
     journal = memory.Journal(min_tail=128, max_tail=384, max_chunk=64, staging=staging)
-    cfg = sjkvarn.Config(
-        staging=staging,
-        layers=2,
-        kv_heads=2,
-        head_dim=64,
-        min_tail=128,
-        max_tail=384,
-        max_chunk=64,
-        max_tokens=4096,
-    )
-    cache = sjkvarn.Cache(cfg)
+    cache = small_cache(staging=staging)
     gen = torch.Generator().manual_seed(0)
     n = 128 + 384 + 1  # the token that triggers the first seal
     for layer in range(2):
@@ -70,10 +76,7 @@ def check_rule(staging: str) -> None:
 def test_in_use_bytes_count_only_layers_that_hold_tokens() -> None:
     """A hybrid model appends to some layers only: `in_use_bytes` is what those layers hold
     allocated (sink, ring, records), the other layers' up-front sink and ring left out."""
-    cfg = sjkvarn.Config(
-        layers=2, kv_heads=2, head_dim=64, min_tail=128, max_tail=384, max_chunk=64, max_tokens=4096
-    )
-    cache = sjkvarn.Cache(cfg)
+    cache = small_cache()
     gen = torch.Generator().manual_seed(1)
     n = 700
     k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
@@ -95,16 +98,7 @@ def test_layers_of_fewer_bits_occupy_less() -> None:
     k, v = torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
 
     def body_bytes(**coding: object) -> int:
-        cfg = sjkvarn.Config(
-            layers=2,
-            kv_heads=2,
-            head_dim=64,
-            min_tail=128,
-            max_tail=384,
-            max_tokens=4096,
-            **coding,
-        )
-        cache = sjkvarn.Cache(cfg)
+        cache = small_cache(**coding)
         for layer in range(2):
             cache.append(layer, k, v)
         return int(cache.memory()["body_bytes"])
