@@ -81,6 +81,18 @@ def default_arms(sj_tail: tuple[int, int], kvarn_tail: int) -> list[Arm]:
             "SJ-KVaRN 4/4 f16 ring",
             journal=dict(k_bits=4, v_bits=4, min_tail=lo, max_tail=hi, staging="f16"),
         ),
+        # fp16 keys and q8_0 values in a ring 20/31 as long (640..1,280 at 7,936 tokens): exact
+        # keys for the newest positions at about KVarN tail 496's allocation
+        Arm(
+            "SJ-KVaRN 4/4 f16-key ring",
+            journal=dict(
+                k_bits=4,
+                v_bits=4,
+                min_tail=lo * 20 // 31,
+                max_tail=hi * 20 // 31,
+                staging="f16/q8_0",
+            ),
+        ),
         Arm(
             "SJ-KVaRN 3/3t",
             journal=dict(k_bits=3, v_bits=3, body="trellis", min_tail=lo, max_tail=hi),
