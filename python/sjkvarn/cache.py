@@ -136,8 +136,8 @@ class Config:
     ``body`` is ``"scalar"`` or ``"trellis"`` (the reference trellis: 3/3, 3/2 or 2/2);
     ``layer_bits`` overrides ``(k_bits, v_bits, body)`` per layer (tiered edge layers). The
     3/2 trellis suits models whose cached layers put attention on the sink (Gemma 3 270M:
-    0.50x KVarN 4/4's KL at 16K tokens); on a model that caches every layer with 64-wide heads
-    (SmolLM2-135M) it has 2.4x KVarN 4/4's KL, and 4/4 is the body to use
+    0.50x the KL of KVarN 4/4 tail 0 at 16K tokens); on a model that caches every layer with
+    64-wide heads (SmolLM2-135M) it has 2.4x that KL, and 4/4 is the body to use
     (``docs/results/quality.md``).
 
     ``staging`` is how ring rows are stored: ``"tq6_0"``, ``"f16"`` (rotated fp16) or
