@@ -167,3 +167,53 @@ def test_main_preset_runs_seed_arms_with_the_shipped_journal() -> None:
         "tq6_0",
     )
     assert "KVarN 4/4 tail 0" in evaluation.MAIN_ARMS and cli.PRESETS["main"][0] == "gemma3"
+
+
+def test_eval_tails_are_checked_first_and_reach_the_arms(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--sj-tail`` / ``--kvarn-tail`` set the small preset's rings (the arm names follow the
+    KVarN tail); bad values stop before a model loads."""
+    if cli.missing_eval_packages():
+        pytest.skip("the eval extra is not installed")
+    from types import SimpleNamespace
+
+    from sjkvarn.eval import evaluation
+
+    loaded: list[object] = []
+
+    def fake_load(*a: object) -> tuple[object, None]:
+        loaded.append(a)
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 20)), None
+
+    seen: list[evaluation.EvalSettings] = []
+
+    def fake_evaluate(net: object, tok: object, hist: object, s: evaluation.EvalSettings) -> None:
+        seen.append(s)
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(models, "load", fake_load)
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    text = tmp_path / "h.txt"
+    text.write_text("words " * 100)
+    base = ["eval", "--preset", "small", "--text", str(text), "--history-tokens", "7936"]
+    for bad, message in (
+        (["--sj-tail", "3072", "2048"], "--sj-tail needs 0 <= MIN <= MAX"),
+        (["--kvarn-tail", "-1"], "--kvarn-tail must be at least 0"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main(base + bad)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--preset", "main", "--kvarn-tail", "512"])
+    assert "apply to the small preset" in capsys.readouterr().err
+    assert not loaded
+
+    assert cli.main(base + ["--sj-tail", "2048", "3072", "--kvarn-tail", "1024"]) == 2
+    s = seen[-1]
+    assert (s.sj_tail, s.kvarn_tail) == ((2048, 3072), 1024)
+    names = {a.name: a.journal for a in s.select_arms()}
+    assert names["KVarN 4/4 tail 1024"]["min_tail"] == 1024
+    assert (names["SJ-KVaRN 4/4"]["min_tail"], names["SJ-KVaRN 4/4"]["max_tail"]) == (2048, 3072)
+    assert cli.main(base) == 2
+    assert (seen[-1].sj_tail, seen[-1].kvarn_tail) == ((992, 1984), 496)

@@ -82,6 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="centred keys in the SJ-KVaRN arms on Config()'s journal (default: Config()'s)",
     )
+    ev.add_argument(
+        "--sj-tail",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="small preset: the SJ-KVaRN arms' ring (default: scaled to --history-tokens; "
+        "2048 3072 is Config()'s own)",
+    )
+    ev.add_argument(
+        "--kvarn-tail",
+        type=int,
+        default=None,
+        help="small preset: KVarN's exact tail (default: scaled to --history-tokens; 1024 is "
+        "the paper's)",
+    )
     ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
@@ -216,6 +232,12 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.scored_tokens = scored_tokens
     if args.history_tokens < 256 or args.scored_tokens < 1:
         parser.error("--history-tokens must be at least 256 and --scored-tokens at least 1")
+    if (args.sj_tail or args.kvarn_tail is not None) and args.preset != "small":
+        parser.error("--sj-tail and --kvarn-tail apply to the small preset's arms")
+    if args.sj_tail and not 0 <= args.sj_tail[0] <= args.sj_tail[1]:
+        parser.error(f"--sj-tail needs 0 <= MIN <= MAX, got {args.sj_tail[0]} {args.sj_tail[1]}")
+    if args.kvarn_tail is not None and args.kvarn_tail < 0:
+        parser.error(f"--kvarn-tail must be at least 0, got {args.kvarn_tail}")
     if args.text:
         hist = [histories.from_file(p) for p in args.text]
     else:
@@ -255,6 +277,10 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sj_tail, kvarn_tail = (4096, 8192), 1024
     else:
         sj_tail, kvarn_tail = scaled_tails(args.history_tokens)
+    if args.sj_tail:
+        sj_tail = (args.sj_tail[0], args.sj_tail[1])
+    if args.kvarn_tail is not None:
+        kvarn_tail = args.kvarn_tail
     settings = evaluation.EvalSettings(
         history_tokens=args.history_tokens,
         scored_tokens=args.scored_tokens,

@@ -713,9 +713,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             + ") unless named `reference` (the reference codec's 4,096/8,192 `tq6_0` ring); "
             "paper-faithful KVarN exact tail 0 and 1,024 after the 128-token sink."
             if s.get("preset") in ("seed", "main")
-            else f"Tails scaled to this context: SJ-KVaRN min/max tail {s['sj_tail'][0]}/"
-            f"{s['sj_tail'][1]} (4,096/8,192 at full scale), paper-faithful KVarN exact tail 0 "
-            f"and {s['kvarn_tail']} (1,024 at full scale) after the 128-token sink."
+            else f"Tails: SJ-KVaRN min/max tail {s['sj_tail'][0]}/{s['sj_tail'][1]} "
+            f"(`Config()`: {DEFAULT_JOURNAL['min_tail']:,}/{DEFAULT_JOURNAL['max_tail']:,}), "
+            f"paper-faithful KVarN exact tail 0 and {s['kvarn_tail']} (the paper: 1,024) after "
+            "the 128-token sink; `--preset small` scales them to the history unless "
+            "`--sj-tail` / `--kvarn-tail` set them."
         ),
         _regime_line(report),
         _merged_line(report),
