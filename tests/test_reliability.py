@@ -172,7 +172,33 @@ def test_zero_heads_are_refused_alike() -> None:
     for name in ("q_heads", "kv_heads"):
         with pytest.raises(InvalidInputError, match=name):
             Cache(config(**{name: 0}))
+    # An unset q_heads takes kv_heads: the error still names the field that was set.
+    with pytest.raises(InvalidInputError, match="kv_heads must be"):
+        Config(layers=2, kv_heads=0, head_dim=64)
     assert Cache(config(q_heads=None)).config.q_heads == 2
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("passes", -1, InvalidInputError),
+        ("min_tail", -5, InvalidInputError),
+        ("flush_chunk", -1, InvalidInputError),
+        ("k_bits", 2.5, UnsupportedTypeError),
+        ("staging", "q4", InvalidInputError),
+        ("device", "tpu", InvalidInputError),
+    ],
+)
+def test_a_bad_setting_is_refused_where_the_config_is_written(
+    field: str, value: object, expected: type[SjkvarnError]
+) -> None:
+    with pytest.raises(expected, match=field):
+        Config(layers=2, kv_heads=2, head_dim=64, **{field: value})
+    # A field reassigned after construction is still checked by the cache.
+    cfg = Config(layers=2, kv_heads=2, head_dim=64)
+    setattr(cfg, field, value)
+    with pytest.raises(expected, match=field):
+        Cache(cfg)
 
 
 def _c() -> Cache:

@@ -200,6 +200,12 @@ class Config:
     device: str = "cpu"
     pool_sequences: int = 1
 
+    def __post_init__(self) -> None:
+        # Refuse a bad setting where it is written, not later at ``Cache(config)``; the
+        # cache checks again, since a dataclass's fields can be reassigned.
+        _spec_of(self)
+        _parse_device(self.device)
+
     @classmethod
     def reference(cls, **fields: Any) -> Config:
         """A configuration with the SJ-KVaRN reference codec's journal (``tq6_0`` ring rows,
@@ -252,7 +258,9 @@ def _spec_of(config: Config) -> Any:
     here (an sjkvarn error naming it), then the core checks what the values mean."""
     config = _resolved(config, "cpu")
     count = args.integer
-    q_heads = config.kv_heads if config.q_heads is None else config.q_heads
+    # kv_heads first: an unset q_heads takes its value, and the error names the field set.
+    kv_heads = count("kv_heads", config.kv_heads, minimum=1)
+    q_heads = kv_heads if config.q_heads is None else config.q_heads
     budget = config.staging_budget
     for name in ("mode", "stat", "staging", "sink_type", "device"):
         args.text(name, getattr(config, name))
@@ -264,7 +272,7 @@ def _spec_of(config: Config) -> Any:
     return _core.CacheSpec(
         count("layers", config.layers, minimum=1),
         count("q_heads", q_heads, minimum=1),
-        count("kv_heads", config.kv_heads, minimum=1),
+        kv_heads,
         count("head_dim", config.head_dim, minimum=1),
         _checked_coding(config),
         count("min_tail", config.min_tail),
