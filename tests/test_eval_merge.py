@@ -179,3 +179,94 @@ def test_runs_over_different_histories_pool_into_one_report() -> None:
     assert 0.25 - 1e-9 <= lo <= 7.0 / 16 <= hi <= 1.0 + 1e-9
     with pytest.raises(ValueError, match="different histories"):
         evaluation.pool_histories([runs[0], runs[0]])
+
+
+def _per_position_run(kl: dict[str, list[float]], baseline: str) -> dict:
+    """A run over both histories (two positions each) with per-position KL and ``baseline``."""
+    report = _one_history_run("code", kl)
+    report["histories"] = ["code", "prose"]
+    report["settings"]["baseline"] = baseline
+    for arm in kl:
+        report["arms"][arm]["per_position"]["history"] = [0, 0, 1, 1]
+    return evaluation.with_ratios(report)
+
+
+def test_an_arm_run_alone_is_paired_against_the_baseline_of_another_run() -> None:
+    base, sj, new = [1.0, 2.0, 4.0, 8.0], [0.5, 0.5, 1.0, 2.0], [2.0, 2.0, 2.0, 2.0]
+    earlier = _per_position_run({BASE: base, "SJ-KVaRN 4/4": sj}, BASE)
+    alone = _per_position_run({"SJ-KVaRN 3/2t": new}, "SJ-KVaRN 3/2t")
+    assert alone["arms"]["SJ-KVaRN 3/2t"]["ratio"]["point"] == 1.0  # its own baseline
+    merged = evaluation.merge_reports([earlier, alone])
+    together = evaluation.with_ratios(
+        _per_position_run({BASE: base, "SJ-KVaRN 4/4": sj, "SJ-KVaRN 3/2t": new}, BASE)
+    )
+    assert merged["settings"]["baseline"] == BASE
+    for arm in (BASE, "SJ-KVaRN 4/4", "SJ-KVaRN 3/2t"):
+        assert merged["arms"][arm]["ratio"] == together["arms"][arm]["ratio"]
+    assert merged["arms"]["SJ-KVaRN 3/2t"]["ratio"]["point"] == pytest.approx(8.0 / 15.0)
+    assert [r["baseline"] for r in merged["merged_from"]] == [BASE, "SJ-KVaRN 3/2t"]
+    assert "paired against KVarN 4/4 tail 0 over the same positions" in (
+        evaluation.render_markdown(merged)
+    )
+    # The inputs keep their own ratios.
+    assert alone["arms"]["SJ-KVaRN 3/2t"]["ratio"]["point"] == 1.0
+    # Another baseline on request, from whichever run has it.
+    other = evaluation.merge_reports([earlier, alone], baseline="SJ-KVaRN 3/2t")
+    assert other["arms"][BASE]["ratio"]["point"] == pytest.approx(15.0 / 8.0)
+
+
+def test_re_pairing_refuses_a_missing_baseline_and_other_positions() -> None:
+    earlier = _per_position_run({BASE: [1.0, 2.0, 4.0, 8.0]}, BASE)
+    alone = _per_position_run({"SJ-KVaRN 3/2t": [2.0, 2.0, 2.0, 2.0]}, "SJ-KVaRN 3/2t")
+    with pytest.raises(ValueError, match="no run has the baseline arm 'q8_0/q8_0'"):
+        evaluation.merge_reports([earlier, alone], baseline="q8_0/q8_0")
+    alone["arms"]["SJ-KVaRN 3/2t"]["per_position"]["history"] = [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="other positions"):
+        evaluation.merge_reports([earlier, alone])
+
+
+def test_cli_merge_takes_a_baseline(tmp_path: Path) -> None:
+    earlier = _per_position_run({BASE: [1.0, 2.0, 4.0, 8.0], "x": [1.0, 1.0, 1.0, 1.0]}, BASE)
+    alone = _per_position_run({"SJ-KVaRN 3/2t": [2.0, 2.0, 2.0, 2.0]}, "SJ-KVaRN 3/2t")
+    (tmp_path / "a.json").write_text(json.dumps(earlier))
+    (tmp_path / "b.json").write_text(json.dumps(alone))
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [sys.executable, "-m", "sjkvarn", "eval", "--merge", str(tmp_path / "a.json")]
+        + [str(tmp_path / "b.json"), "--baseline", "x", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((out / "results.json").read_text())
+    assert merged["settings"]["baseline"] == "x"
+    assert merged["arms"]["SJ-KVaRN 3/2t"]["ratio"]["point"] == pytest.approx(2.0)
+
+
+def test_histories_in_another_order_are_aligned_and_pooled_digests_kept() -> None:
+    base, new = [1.0, 2.0, 4.0, 8.0], [2.0, 2.0, 2.0, 2.0]
+    earlier = _per_position_run({BASE: base}, BASE)
+    alone = _per_position_run({"SJ-KVaRN 3/2t": new[:2] + [6.0, 6.0]}, "SJ-KVaRN 3/2t")
+    # The same run written with its histories the other way round.
+    alone["histories"] = ["prose", "code"]
+    alone["arms"]["SJ-KVaRN 3/2t"]["per_position"] = {
+        "kl": [6.0, 6.0, 2.0, 2.0],
+        "history": [0, 0, 1, 1],
+    }
+    merged = evaluation.merge_reports([earlier, alone])
+    assert merged["arms"]["SJ-KVaRN 3/2t"]["per_position"]["kl"] == [2.0, 2.0, 6.0, 6.0]
+    assert merged["arms"]["SJ-KVaRN 3/2t"]["ratio"]["point"] == pytest.approx(16.0 / 15.0)
+    # Pooling keeps the digest of every run's history, so a later merge can compare texts.
+    runs = [
+        _one_history_run("a", {BASE: [1.0, 3.0]}),
+        _one_history_run("b", {BASE: [2.0, 2.0]}),
+    ]
+    runs[0]["environment"]["history_sha256"] = {"a": "1" * 16}
+    runs[1]["environment"]["history_sha256"] = {"b": "2" * 16}
+    pooled = evaluation.merge_reports(runs)
+    assert pooled["environment"]["history_sha256"] == {"a": "1" * 16, "b": "2" * 16}
+    # A run without a digest for a history is merged, and the report says it was not compared.
+    del alone["environment"]["history_sha256"]["prose"]
+    merged = evaluation.merge_reports([earlier, alone])
+    assert merged["unchecked_texts"] == ["prose"]
+    assert "not compared" in evaluation.render_markdown(merged)

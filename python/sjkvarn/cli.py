@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         help="small preset: KVarN's exact tail (default: scaled to --history-tokens; 1024 is "
         "the paper's)",
     )
-    ev.add_argument("--baseline", default="KVarN 4/4 tail 0")
+    ev.add_argument(
+        "--baseline",
+        default=None,
+        help="the arm every ratio is paired against (default: KVarN 4/4 tail 0; with --merge, "
+        "the first run's)",
+    )
     ev.add_argument("--out", default="sjkvarn-eval", help="folder for results.json, report.md, PNG")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument(
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="RESULTS_JSON",
         help="merge the results.json of runs of the same settings that ran different arms "
-        "into one report under --out (runs no model)",
+        "or histories into one report under --out, every ratio paired against --baseline "
+        "over the same positions (runs no model)",
     )
     ev.add_argument(
         "--allow-other-texts",
@@ -216,6 +222,8 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.merge:
         return merge_results(args)
+    if args.baseline is None:
+        args.baseline = evaluation.DEFAULT_BASELINE
     if args.threads is not None:
         if args.threads < 1:
             parser.error("--threads must be at least 1")
@@ -333,7 +341,9 @@ def merge_results(args: argparse.Namespace) -> int:
 
     try:
         reports = [json.loads(Path(p).read_text()) for p in args.merge]
-        report = evaluation.merge_reports(reports, allow_other_texts=args.allow_other_texts)
+        report = evaluation.merge_reports(
+            reports, allow_other_texts=args.allow_other_texts, baseline=args.baseline
+        )
     except (OSError, ValueError, KeyError) as e:
         print(f"sjkvarn eval --merge: {e!s}", file=sys.stderr)
         return 2

@@ -40,6 +40,11 @@ class Arm:
     journal: dict[str, Any] | None = None  # sjkvarn.Config overrides
 
 
+#: The arm every ratio is paired against unless ``--baseline`` names another: the paper's
+#: KVarN without an exact tail.
+DEFAULT_BASELINE = "KVarN 4/4 tail 0"
+
+
 def with_sj_journal(arm: Arm, **fields: Any) -> Arm:
     """``arm`` with ``fields`` (journal settings it does not set itself) when it is an SJ-KVaRN
     arm on ``Config()``'s staging (KVarN's and the staging ablations set theirs), else ``arm``
@@ -404,7 +409,7 @@ class ArmSettings:
     """What every evaluation task shares: the arms, their scaled tails and the statistics."""
 
     seed: int = 0
-    baseline: str = "KVarN 4/4 tail 0"
+    baseline: str = DEFAULT_BASELINE
     sj_tail: tuple[int, int] = (128, 256)
     kvarn_tail: int = 64
     bootstrap: int = 2000
@@ -563,7 +568,10 @@ def pool_histories(reports: list[dict[str, Any]]) -> dict[str, Any]:
     pooled: dict[str, Any] = {
         "settings": dict(first["settings"], arms=arms),
         "histories": names,
-        "environment": first.get("environment"),
+        "environment": dict(
+            first.get("environment") or {},
+            history_sha256={h: d for r in reports for h, d in _digests(r).items()},
+        ),
         "distinct_scored_tokens": [d for r in reports for d in r["distinct_scored_tokens"]],
         "pooled_from": [r["histories"] for r in reports],
         "arms": {},
@@ -588,26 +596,34 @@ def pool_histories(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return with_ratios(pooled)
 
 
-def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False) -> dict[str, Any]:
+def merge_reports(
+    reports: list[dict[str, Any]], allow_other_texts: bool = False, baseline: str | None = None
+) -> dict[str, Any]:
     """One report from several runs of the same evaluation: runs over different histories are
     pooled (:func:`pool_histories`); runs that ran different arms (a long preset split across
-    sessions) need the same settings but for the arm list, the same
-    histories, and the same baseline in each. Every arm keeps the figures of the first run
-    that has it, its ratio and CIs paired against that run's own baseline; ``merged_from``
-    records each run's arms, baseline mean KL and environment, so a reader sees how far the
-    shared baseline moved between them. ``allow_other_texts`` accepts histories of the same
-    names whose texts differ (``other_texts`` then names them)."""
+    processes, or one new arm against arms run before) need the same settings but for the arm
+    list and baseline, and the same histories and texts. With per-position KL in every run,
+    every arm is paired against ``baseline`` (default: the first run's) over the positions
+    all runs scored, wherever that arm ran; runs without it (older versions) must share their
+    baseline, and each arm keeps its own run's ratio. ``merged_from`` records each run's arms,
+    baseline and baseline mean KL, so a reader sees how far a baseline that ran twice moved.
+    ``allow_other_texts`` accepts histories of the same names whose texts differ
+    (``other_texts`` then names them)."""
     if len(reports) < 2:
         raise ValueError("merging needs at least two reports")
     first = reports[0]
     if not set(first["histories"]) & {h for r in reports[1:] for h in r["histories"]}:
-        return pool_histories(reports)
+        return _repaired(pool_histories(reports), baseline)
 
     def comparable(r: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in r["settings"].items() if k != "arms"}
+        return {k: v for k, v in r["settings"].items() if k not in ("arms", "baseline")}
 
-    baseline = first["settings"]["baseline"]
+    repair = all("per_position" in a for r in reports for a in r["arms"].values())
+    if repair:
+        # Pooled runs list their histories in the order they were pooled.
+        reports = [first] + [_in_order(r, first["histories"]) for r in reports[1:]]
     other_texts: set[str] = set()
+    unchecked: set[str] = set()
     for i, r in enumerate(reports):
         if comparable(r) != comparable(first):
             changed = sorted(
@@ -618,14 +634,24 @@ def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False
             raise ValueError(f"report {i} ran other settings than report 0: {changed}")
         if r["histories"] != first["histories"]:
             raise ValueError(f"report {i} scored other histories: {r['histories']}")
-        digests = (r.get("environment") or {}).get("history_sha256") or {}
-        first_digests = (first.get("environment") or {}).get("history_sha256") or {}
-        differ = sorted(h for h in r["histories"] if digests.get(h) != first_digests.get(h))
+        digests, first_digests = _digests(r), _digests(first)
+        known = [h for h in r["histories"] if h in digests and h in first_digests]
+        differ = sorted(h for h in known if digests[h] != first_digests[h])
         if differ and not allow_other_texts:
             raise ValueError(f"report {i} scored other texts for the histories {differ}")
         other_texts.update(differ)
-        if baseline not in r["arms"]:
-            raise ValueError(f"report {i} lacks the baseline arm {baseline!r}")
+        unchecked.update(h for h in r["histories"] if h not in known)
+        if r["settings"]["baseline"] not in r["arms"]:
+            raise ValueError(f"report {i} lacks its baseline arm {r['settings']['baseline']!r}")
+    if not repair:
+        # Without per-position KL an arm's ratio can only be its own run's: one baseline.
+        base = first["settings"]["baseline"]
+        for i, r in enumerate(reports):
+            if r["settings"]["baseline"] != base or base not in r["arms"]:
+                raise ValueError(
+                    f"report {i} lacks the baseline arm {base!r} (runs without per-position KL "
+                    "merge only over one baseline)"
+                )
     arms: dict[str, Any] = {}
     for r in reports:
         for name, entry in r["arms"].items():
@@ -635,29 +661,89 @@ def merge_reports(reports: list[dict[str, Any]], allow_other_texts: bool = False
     merged["arms"] = arms
     if other_texts:
         merged["other_texts"] = sorted(other_texts)
+    if unchecked:
+        merged["unchecked_texts"] = sorted(unchecked)
     merged["merged_from"] = [
         {
             "arms": list(r["arms"]),
-            "baseline_mean": r["arms"][baseline]["mean"],
+            "baseline": r["settings"]["baseline"],
+            "baseline_mean": r["arms"][r["settings"]["baseline"]]["mean"],
             "environment": r.get("environment"),
         }
         for r in reports
     ]
+    if repair:
+        merged["repaired"] = True
+        return _repaired(merged, baseline or first["settings"]["baseline"])
     return merged
+
+
+def _digests(report: dict[str, Any]) -> dict[str, str]:
+    """The history text digests a report recorded (pooled reports: of every run)."""
+    return dict((report.get("environment") or {}).get("history_sha256") or {})
+
+
+def _in_order(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``report`` with its histories and per-position KL in the order of ``names`` when it
+    scored the same histories in another order; otherwise ``report`` itself."""
+    own = report["histories"]
+    if own == names or sorted(own) != sorted(names):
+        return report
+    arms = {}
+    for arm, entry in report["arms"].items():
+        kl, history = entry["per_position"]["kl"], entry["per_position"]["history"]
+        order = [j for name in names for j in range(len(kl)) if own[history[j]] == name]
+        arms[arm] = dict(
+            entry,
+            per_position={
+                "kl": [kl[j] for j in order],
+                "history": [names.index(own[history[j]]) for j in order],
+            },
+        )
+    return dict(report, histories=list(names), arms=arms)
+
+
+def _repaired(report: dict[str, Any], baseline: str | None) -> dict[str, Any]:
+    """``report`` with every ratio recomputed against ``baseline`` (``None``: as it is), after
+    checking that every arm scored the same positions."""
+    if baseline is None:
+        return report
+    if baseline not in report["arms"]:
+        raise ValueError(f"no run has the baseline arm {baseline!r}: {list(report['arms'])}")
+    positions = report["arms"][baseline]["per_position"]["history"]
+    for name, entry in report["arms"].items():
+        if entry["per_position"]["history"] != positions:
+            raise ValueError(f"arm {name!r} scored other positions than {baseline!r}")
+    report = dict(report, settings=dict(report["settings"], baseline=baseline))
+    report["arms"] = {name: dict(entry) for name, entry in report["arms"].items()}
+    return with_ratios(report)
 
 
 def _merged_line(report: dict[str, Any]) -> str:
     runs = report.get("merged_from")
     if not runs:
         return ""
-    means = ", ".join(f"{r['baseline_mean']:.3e}" for r in runs)
-    line = (
-        f"Merged from {len(runs)} runs of these settings: each arm's figures come from the "
-        f"first run that has it, its ratio and CIs paired against that run's own baseline "
-        f"(baseline mean KL per run: {means})."
-    )
+    if report.get("repaired"):
+        own = "; ".join(f"{r['baseline']} {r['baseline_mean']:.3e}" for r in runs)
+        line = (
+            f"Merged from {len(runs)} runs of these settings: every arm's ratio and CIs paired "
+            f"against {report['settings']['baseline']} over the same positions (each run's own "
+            f"baseline and its mean KL: {own})."
+        )
+    else:
+        means = ", ".join(f"{r['baseline_mean']:.3e}" for r in runs)
+        line = (
+            f"Merged from {len(runs)} runs of these settings: each arm's figures come from the "
+            f"first run that has it, its ratio and CIs paired against that run's own baseline "
+            f"(baseline mean KL per run: {means})."
+        )
     if report.get("other_texts"):
         line += f" The runs' texts differ for the histories {report['other_texts']}."
+    if report.get("unchecked_texts"):
+        line += (
+            " A run recorded no text digest for the histories "
+            f"{report['unchecked_texts']}, so their texts were not compared."
+        )
     return line
 
 
