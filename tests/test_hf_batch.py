@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
-from sjkvarn import CacheError, hf  # noqa: E402
+from sjkvarn import CacheError, UnsupportedTypeError, hf  # noqa: E402
 from sjkvarn.eval import histories, models  # noqa: E402
 
 
@@ -281,3 +281,32 @@ def test_truncation_is_batch_one_and_cuts_sliding_layers_too() -> None:
     for cut in (lambda: batch.truncate(2), lambda: batch.crop(-1)):
         with pytest.raises(CacheError, match="rows"):
             cut()
+
+
+def test_crop_follows_transformers_convention_and_refuses_non_integers() -> None:
+    net = _tiny_hybrid(8)
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(5))
+    cfg = hf.config_for(net, staging="f16", min_tail=512, max_tail=1024, max_tokens=256)
+    cache = hf.SJKVCache(net, cfg)
+    with torch.no_grad():
+        net(ids, cache=cache)
+    cache.crop(10)  # longer than the cache: nothing to cut
+    assert cache.get_seq_length() == 7
+    cache.crop(5)  # a positive length is the number of tokens kept
+    assert cache.get_seq_length() == 5 and cache.sjkv.length(1) == 5
+    cache.crop(-2)  # a negative one, the number removed
+    assert cache.get_seq_length() == 3
+    for bad in (2.5, "1", None, True):
+        with pytest.raises(UnsupportedTypeError, match="max_length"):
+            cache.crop(bad)
+    with pytest.raises(CacheError, match="cannot remove 4 tokens from 3"):
+        cache.crop(-4)
+    assert cache.get_seq_length() == 3
+
+
+def test_config_for_names_what_it_cannot_use() -> None:
+    net = _tiny_hybrid(8)
+    with pytest.raises(UnsupportedTypeError, match="nope"):
+        hf.config_for(net, nope=1)
+    with pytest.raises(UnsupportedTypeError, match="transformers model"):
+        hf.config_for(None)

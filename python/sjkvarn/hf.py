@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 try:
@@ -43,7 +43,9 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
         "sjkvarn.hf needs torch and transformers 5.x: pip install 'sjkvarn[hf]'"
     ) from e
 
+from sjkvarn import _arguments as args
 from sjkvarn.cache import Cache, CacheError, Config
+from sjkvarn.errors import UnsupportedTypeError
 
 try:
     from transformers import AttentionInterface
@@ -241,6 +243,13 @@ class SJKVLayer(CacheLayerMixin):
 
 def config_for(model: Any, **overrides: Any) -> Config:
     """A `Config` with the model's geometry; keyword arguments override any field."""
+    unknown = sorted(set(overrides) - {f.name for f in fields(Config)})
+    if unknown:
+        raise UnsupportedTypeError(f"config_for: {unknown} are not Config fields")
+    if not hasattr(model, "config"):
+        raise UnsupportedTypeError(
+            f"model must be a transformers model (with a .config), got {type(model).__name__}"
+        )
     c = model.config
     c = c.get_text_config(decoder=True) if hasattr(c, "get_text_config") else c
     heads = c.num_attention_heads
@@ -445,19 +454,19 @@ class SJKVCache(HFCache):
         for layer in self.layers:
             layer.reset()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens (batch 1; transformers' convention: a
-        negative count). Raises CacheError where the cut falls in sealed records: use `rewind`."""
-        if tokens_to_remove > 0:
-            raise CacheError("crop takes a negative count of tokens to remove")
-        if tokens_to_remove == 0:
-            return
+    def crop(self, max_length: int) -> None:
+        """transformers' convention (batch 1): keeps the first ``max_length`` tokens, or with a
+        negative ``max_length`` removes the last ``-max_length``; a cache no longer than
+        ``max_length`` is left as it is. Raises CacheError where the cut falls in sealed
+        records: use `rewind`."""
+        max_length = args.integer("max_length", max_length, minimum=-args.MAX_COUNT)
         row = self.sjkv
-        n = row.length(self._first_layer()) + tokens_to_remove
+        length = row.length(self._first_layer())
+        n = length + max_length if max_length < 0 else max_length
         if n < 0:
-            raise CacheError(
-                f"cannot remove {-tokens_to_remove} tokens from {n - tokens_to_remove}"
-            )
+            raise CacheError(f"cannot remove {-max_length} tokens from {length}")
+        if n >= length:
+            return
         if self._cut(row.fork(), n) < n:
             raise CacheError(
                 f"the cut at {n} falls in sealed records: use rewind(model, input_ids, {n})"
