@@ -613,13 +613,13 @@ def merge_reports(
         raise ValueError("merging needs at least two reports")
     first = reports[0]
     if not set(first["histories"]) & {h for r in reports[1:] for h in r["histories"]}:
-        return _repaired(pool_histories(reports), baseline)
+        return _paired_against(pool_histories(reports), baseline)
 
     def comparable(r: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in r["settings"].items() if k not in ("arms", "baseline")}
 
-    repair = all("per_position" in a for r in reports for a in r["arms"].values())
-    if repair:
+    one_baseline = all("per_position" in a for r in reports for a in r["arms"].values())
+    if one_baseline:
         # Pooled runs list their histories in the order they were pooled.
         reports = [first] + [_in_order(r, first["histories"]) for r in reports[1:]]
     other_texts: set[str] = set()
@@ -643,7 +643,7 @@ def merge_reports(
         unchecked.update(h for h in r["histories"] if h not in known)
         if r["settings"]["baseline"] not in r["arms"]:
             raise ValueError(f"report {i} lacks its baseline arm {r['settings']['baseline']!r}")
-    if not repair:
+    if not one_baseline:
         # Without per-position KL an arm's ratio can only be its own run's: one baseline.
         base = first["settings"]["baseline"]
         for i, r in enumerate(reports):
@@ -672,9 +672,9 @@ def merge_reports(
         }
         for r in reports
     ]
-    if repair:
-        merged["repaired"] = True
-        return _repaired(merged, baseline or first["settings"]["baseline"])
+    if one_baseline:
+        merged["one_baseline"] = True
+        return _paired_against(merged, baseline or first["settings"]["baseline"])
     return merged
 
 
@@ -703,7 +703,7 @@ def _in_order(report: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return dict(report, histories=list(names), arms=arms)
 
 
-def _repaired(report: dict[str, Any], baseline: str | None) -> dict[str, Any]:
+def _paired_against(report: dict[str, Any], baseline: str | None) -> dict[str, Any]:
     """``report`` with every ratio recomputed against ``baseline`` (``None``: as it is), after
     checking that every arm scored the same positions."""
     if baseline is None:
@@ -723,7 +723,7 @@ def _merged_line(report: dict[str, Any]) -> str:
     runs = report.get("merged_from")
     if not runs:
         return ""
-    if report.get("repaired"):
+    if report.get("one_baseline"):
         own = "; ".join(f"{r['baseline']} {r['baseline_mean']:.3e}" for r in runs)
         line = (
             f"Merged from {len(runs)} runs of these settings: every arm's ratio and CIs paired "
