@@ -8,7 +8,7 @@ the ``eval`` extra.
 
 from sjkvarn import codec
 from sjkvarn._core import GROUP
-from sjkvarn.cache import Cache, Config, CudaStatus, cuda_available
+from sjkvarn.cache import Cache, Config, CudaStatus, backends, cuda_available
 from sjkvarn.errors import (
     CacheError,
     CodecError,
@@ -45,6 +45,7 @@ __all__ = [
     "SnapshotError",
     "StorageError",
     "UnsupportedTypeError",
+    "backends",
     "codec",
     "cuda_available",
 ]

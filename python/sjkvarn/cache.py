@@ -144,13 +144,14 @@ class Config:
     ``"q8_0"`` (extension) for keys and values, ``"K/V"`` for different types, or ``"auto"``:
     each layer measures every type on its own first rows and keeps the smallest within
     ``staging_budget`` (default 0.04; see :meth:`Cache.staging_report`). ``staging``,
-    ``min_tail``, ``max_tail`` and ``centre_keys`` left ``None`` take the device's journal: on
-    the CPU the core's ``DEFAULT_JOURNAL`` (``"q8_0"``, 2,048..3,072 unsealed tokens, centred
-    keys: keys of small models lose more in a 6-bit ring than in the 4-bit body,
-    ``docs/results/quality.md``); on CUDA, whose ring stores ``tq6_0`` rows only, the
-    reference's. :meth:`Config.reference` gives the SJ-KVaRN reference codec's journal
-    (``tq6_0``, 4,096..8,192, keys as appended), which writes its format byte for byte. A
-    cache's ``config`` holds the resolved values.
+    ``min_tail``, ``max_tail`` and ``centre_keys`` left ``None`` take the journal that
+    :func:`backends`' table gives the device: the core's ``DEFAULT_JOURNAL`` (``"q8_0"``,
+    2,048..3,072 unsealed tokens, centred keys: keys of small models lose more in a 6-bit ring
+    than in the 4-bit body, ``docs/results/quality.md``) where the backend runs it (the CPU),
+    the reference's elsewhere (CUDA's ring stores ``tq6_0`` rows only).
+    :meth:`Config.reference` gives the SJ-KVaRN reference codec's journal (``tq6_0``,
+    4,096..8,192, keys as appended), which writes its format byte for byte. A cache's
+    ``config`` holds the resolved values.
 
     ``centre_keys``: every key after the sink is stored minus the sink's mean key (positions
     1..``sink``). Softmax does not see an offset shared by all keys, so attention is unchanged
@@ -226,9 +227,18 @@ class Config:
         return rows
 
 
+def backends() -> dict[str, dict[str, list[str]]]:
+    """The capability table, stated once in the core: backend (``"cpu"``, ``"cuda"``,
+    ``"paged"``) -> setting -> the values it runs, written as in :class:`Config` (``"lo..hi"``
+    an inclusive range, ``"K/V"`` any pair of staging types, ``"any"``). A cache refuses a
+    setting its backend does not run, naming what it runs (``docs/journal.md``)."""
+    return _core.backends()
+
+
 def _resolved(config: Config, device_kind: str) -> Config:
-    """``config`` with unset journal fields (``None``) taken from the device's journal."""
-    preset = REFERENCE_JOURNAL if device_kind == "cuda" else DEFAULT_JOURNAL
+    """``config`` with unset journal fields (``None``) taken from the journal the capability
+    table gives the device's backend."""
+    preset = _core.journal_for(device_kind)
     unset = {k: v for k, v in preset.items() if getattr(config, k) is None}
     return replace(config, **unset) if unset else config
 

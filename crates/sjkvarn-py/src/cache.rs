@@ -1,18 +1,17 @@
 //! `sjkvarn._core.Cache`: one sequence of the journaled cache, tensors by DLPack.
 
-use crate::coding;
-use crate::cuda::cuda_err;
+use crate::codec::coding;
 use crate::dlpack::{cuda_f32, read_f32, with_f32_out};
-use crate::errors::{self, invalid};
+use crate::errors::{self, cuda_err, invalid};
 use crate::shared::Shared;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sjkvarn::attention::attend_with_threads;
-use sjkvarn::cache::PoolStats;
-use sjkvarn::cache::{
-    CacheConfig, CacheError as CoreError, LayerCoding, MemoryReport, Sequence, SinkType,
-};
-use sjkvarn::cuda::{DevicePool, DeviceSequence, ExternalStream};
+use sjkvarn::backend::cuda::{DevicePool, DeviceSequence, ExternalStream};
+use sjkvarn::backend::PoolStats;
+use sjkvarn::backend::{MemoryReport, Sequence};
+use sjkvarn::error::CacheError as CoreError;
+use sjkvarn::journal::{CacheConfig, LayerCoding, SinkType};
 use sjkvarn::{BalanceConfig, BalanceMode, BalanceStat, Journal};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -124,7 +123,7 @@ fn build_config(
     (staging, staging_budget): (&str, Option<f32>),
 ) -> PyResult<CacheConfig> {
     let (k_staging, v_staging, auto_staging) =
-        sjkvarn::cache::parse_staging(staging, staging_budget).map_err(err)?;
+        sjkvarn::journal::parse_staging(staging, staging_budget).map_err(err)?;
     let layer_coding = layer_coding
         .iter()
         .map(|(k, v, kb, vb)| {
@@ -160,7 +159,7 @@ fn build_config(
         k_staging,
         v_staging,
         auto_staging,
-        sink: sjkvarn::cache::SINK,
+        sink: sjkvarn::journal::SINK,
         sink_type: SinkType::F16,
         centre_keys: false,
         exact_recent: 0,
@@ -505,7 +504,7 @@ impl Cache {
                     let d = PyDict::new(py);
                     d.set_item("k", p.k.name())?;
                     d.set_item("v", p.v.name())?;
-                    let names: Vec<&str> = sjkvarn::cache::STAGING_CANDIDATES
+                    let names: Vec<&str> = sjkvarn::journal::auto_staging::CANDIDATES
                         .iter()
                         .map(|c| c.name())
                         .collect();
@@ -622,4 +621,25 @@ impl Cache {
             Backend::Device { ordinal, .. } => Some(*ordinal),
         }
     }
+}
+
+/// Test hook: every seal record encode after the next `after` fails (`None` disarms). For the
+/// tests that check a failed seal leaves a cache as it was, on the CPU and on a GPU; only in the
+/// test build (`fault-injection` feature).
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+#[pyo3(signature = (after))]
+fn _inject_seal_failure(after: Option<usize>) {
+    match after {
+        Some(n) => sjkvarn::backend::cpu::faults::fail_seals_after(n),
+        None => sjkvarn::backend::cpu::faults::clear(),
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Cache>()?;
+    m.add_class::<CacheSpec>()?;
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
+    Ok(())
 }

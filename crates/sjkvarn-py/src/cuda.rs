@@ -1,19 +1,9 @@
 //! The CUDA backend's errors and availability; device caches are `sjkvarn._core.Cache` built
 //! with an ordinal (see `cache`).
 
-use crate::cache::err;
-use crate::errors::{invalid, raise, Kind};
+use crate::errors::{cuda_err, invalid};
 use pyo3::prelude::*;
-use sjkvarn::cuda::{availability, CudaError};
-
-pub(crate) fn cuda_err(e: CudaError) -> PyErr {
-    match e {
-        CudaError::Cache(c) => err(c),
-        CudaError::Unavailable(_) => raise(Kind::CudaUnavailable, e.to_string()),
-        CudaError::Unsupported(_) | CudaError::Rejected(_) => invalid(e.to_string()),
-        CudaError::Driver(_) | CudaError::Compile { .. } => raise(Kind::CudaBackend, e.to_string()),
-    }
-}
+use sjkvarn::backend::cuda::availability;
 
 /// `(available, description)`: the device found, or why the backend cannot run.
 #[pyfunction]
@@ -40,14 +30,20 @@ pub fn cuda_status(ordinal: usize) -> (bool, String) {
 /// returns the PTX. Needs libnvrtc only, no GPU.
 #[pyfunction]
 pub fn compile_kernels(arch: &str) -> PyResult<String> {
-    let known = sjkvarn::cuda::KERNEL_ARCHES
+    let known = sjkvarn::backend::cuda::KERNEL_ARCHES
         .iter()
         .find(|a| **a == arch)
         .ok_or_else(|| {
             invalid(format!(
                 "unknown architecture {arch}; known: {:?}",
-                sjkvarn::cuda::KERNEL_ARCHES
+                sjkvarn::backend::cuda::KERNEL_ARCHES
             ))
         })?;
-    sjkvarn::cuda::compile_ptx(known).map_err(cuda_err)
+    sjkvarn::backend::cuda::compile_ptx(known).map_err(cuda_err)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
+    Ok(())
 }

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyModule, PyType};
-use sjkvarn::cache::CacheError as CoreError;
+use sjkvarn::error::CacheError as CoreError;
 
 const SOURCE: &str = include_str!("errors.py");
 
@@ -157,4 +157,20 @@ pub(crate) fn invalid(message: impl Into<String>) -> PyErr {
 /// An unsupported type or dtype, with a message.
 pub(crate) fn unsupported_type(message: impl Into<String>) -> PyErr {
     raise(Kind::UnsupportedType, message)
+}
+
+/// The CUDA backend's errors: its cache errors as on the CPU, the rest by kind.
+pub(crate) fn cuda_err(e: sjkvarn::backend::cuda::CudaError) -> PyErr {
+    match e {
+        sjkvarn::backend::cuda::CudaError::Cache(c) => cache(c),
+        sjkvarn::backend::cuda::CudaError::Unavailable(_) => {
+            raise(Kind::CudaUnavailable, e.to_string())
+        }
+        sjkvarn::backend::cuda::CudaError::Unsupported(_)
+        | sjkvarn::backend::cuda::CudaError::Rejected(_) => invalid(e.to_string()),
+        sjkvarn::backend::cuda::CudaError::Driver(_)
+        | sjkvarn::backend::cuda::CudaError::Compile { .. } => {
+            raise(Kind::CudaBackend, e.to_string())
+        }
+    }
 }

@@ -51,7 +51,7 @@ pub(crate) fn attend_paged(
             ek.shape, ev.shape
         )));
     }
-    let coding = crate::coding(body)?;
+    let coding = crate::codec::coding(body)?;
     let codec = sjkvarn::codec::BodyCodec::for_layer(
         d,
         k_bits,
@@ -112,4 +112,9 @@ pub(crate) fn attend_paged(
             Ok(())
         })
     })
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(attend_paged, m)?)?;
+    Ok(())
 }

@@ -12,8 +12,9 @@
 //! as a snapshot under `target/` so a rerun skips the seal.
 
 use sjkvarn::attention::{attend, attend_with_threads};
-use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
+use sjkvarn::backend::Sequence;
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
+use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
 use std::time::Instant;

@@ -20,9 +20,11 @@
 //! Reports tokens/s, operation counts, pool high-water mark and RSS (start, middle, end, peak).
 
 use sjkvarn::attention::attend;
-use sjkvarn::cache::staging::RingRows;
-use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence, SINK};
+use sjkvarn::backend::{RecordPool, Sequence};
 use sjkvarn::codec::extension::body::BodyCoding;
+use sjkvarn::error::CacheError;
+use sjkvarn::journal::RingRows;
+use sjkvarn::journal::{CacheConfig, LayerCoding, SINK};
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashMap;
 use std::path::Path;
@@ -37,7 +39,7 @@ const D: usize = 64;
 /// K and V of `n` tokens from position `from` of content stream `stream` (all layers alike
 /// but for a per-layer offset), `[n][KV][D]` each.
 /// Every byte a sequence holds, layer by layer.
-fn images(seq: &Sequence) -> Vec<sjkvarn::cache::LayerImage> {
+fn images(seq: &Sequence) -> Vec<sjkvarn::backend::LayerImage> {
     (0..seq.config().layers)
         .map(|l| seq.layer_image(l).unwrap())
         .collect()
@@ -239,7 +241,7 @@ fn save_concurrently(live: &[Option<Live>], start: usize, dir: &Path) -> bool {
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()
-                .ends_with(sjkvarn::cache::snapshot::TEMP_SUFFIX)
+                .ends_with(sjkvarn::backend::cpu::snapshot::TEMP_SUFFIX)
         })
         .count();
     assert_eq!(left, 0, "temporary files left behind");

@@ -13,9 +13,14 @@
 #include "sj_staging.cuh"
 
 #define SJ_MAX_GROUP_HEADS 16
+// Staging kinds, numbered as `Staging::code` (journal/rows.rs); a host test ties them.
 #define SJ_STAGING_TQ6 0
-#define SJ_STAGING_Q8 1
-#define SJ_STAGING_F16 2
+#define SJ_STAGING_F16 1
+#define SJ_STAGING_Q8 2
+// The q8_0 block (codec/q8_0.rs): an fp16 scale, then 32 signed codes; a host test ties them.
+#define SJ_Q8_0_BLOCK_VALUES 32
+#define SJ_Q8_0_CODES_OFFSET 2
+#define SJ_Q8_0_BLOCK_BYTES 34
 #define SJ_BODY_SCALAR 0
 #define SJ_BODY_TRELLIS 1
 #define SJ_HISTORY_BITS 6
@@ -170,14 +175,13 @@ SJ_HD const sj_u8* sj_ring_row(const SjLayerView& v, int pos, int head, int valu
     return v.ring + ((sj_u64)(idx * v.kv_heads + head) * 2 + (sj_u64)value) * (sj_u64)v.row_bytes;
 }
 
-// Staged ring value `c` of a row (rotated frame): tq6_0, q8_0 (34-byte blocks of 32: fp16
-// scale, 32 int8) or fp16.
+// Staged ring value `c` of a row (rotated frame): tq6_0, q8_0 or fp16.
 SJ_HD float sj_ring_value(const SjLayerView& v, const sj_u8* row, int c) {
     if (v.staging == SJ_STAGING_F16) return sj_f16_to_f32(sj_load_u16_le(row + 2 * c));
     if (v.staging == SJ_STAGING_Q8) {
-        const sj_u8* block = row + (c / 32) * 34;
+        const sj_u8* block = row + (c / SJ_Q8_0_BLOCK_VALUES) * SJ_Q8_0_BLOCK_BYTES;
         float d = sj_f16_to_f32(sj_load_u16_le(block));
-        return d * (float)(signed char)block[2 + c % 32];
+        return d * (float)(signed char)block[SJ_Q8_0_CODES_OFFSET + c % SJ_Q8_0_BLOCK_VALUES];
     }
     return sj_tq_row_value(row, v.head_dim, v.tq_table, c);
 }

@@ -9,8 +9,10 @@
 //! Run: `cargo run --release -p sjkvarn --example serve`
 
 use sjkvarn::attention::attend;
-use sjkvarn::cache::{CacheConfig, CacheResult, LayerCoding, Sequence};
+use sjkvarn::backend::Sequence;
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
+use sjkvarn::error::CacheResult;
+use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -3,10 +3,11 @@
 //! (mutational, time-bounded) and replayed over the committed corpus by `tests/fuzz_corpus.rs`.
 
 use crate::attention::attend;
-use crate::cache::snapshot::fnv1a64;
-use crate::cache::{CacheConfig, LayerCoding, Sequence, Staging};
+use crate::backend::cpu::snapshot::fnv1a64;
+use crate::backend::Sequence;
 use crate::codec::extension::body::{BodyCoding, BodySpec, TrellisAxis, BODY_BITS, GROUP};
 use crate::codec::format::{decode_into, BlockFormat};
+use crate::journal::{CacheConfig, LayerCoding, Staging};
 use crate::rng::SplitMix64;
 use std::sync::Arc;
 

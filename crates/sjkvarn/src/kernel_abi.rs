@@ -6,9 +6,9 @@
 //! them with device addresses. The device backend implements the SJ-KVaRN reference bodies only
 //! ([`device_layout`]).
 
-use crate::cache::config::Staging;
 use crate::codec::codebooks::{TQ6_CENTROIDS, TQ6_MIDPOINTS};
 use crate::codec::{Body, RecordLayout, GROUP};
+use crate::journal::Staging;
 
 /// `SJ_STAGING_*`: how ring rows are staged (all in the rotated frame), numbered by
 /// [`Staging::code`].
@@ -225,9 +225,10 @@ fn inline_file(name: &str, seen: &mut Vec<String>, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::q8_0;
 
     #[test]
-    fn the_kernels_number_staging_kinds_as_the_core_does() {
+    fn the_kernels_number_staging_kinds_and_lay_out_q8_0_as_the_core_does() {
         let header = KERNEL_FILES
             .iter()
             .find(|(name, _)| *name == "sj_layer.cuh")
@@ -245,9 +246,11 @@ mod tests {
         assert_eq!(defined("SJ_STAGING_TQ6"), Staging::Tq6.code() as i32);
         assert_eq!(defined("SJ_STAGING_Q8"), Staging::Q8_0.code() as i32);
         assert_eq!(defined("SJ_STAGING_F16"), Staging::F16.code() as i32);
+        assert_eq!(defined("SJ_Q8_0_BLOCK_VALUES"), q8_0::BLOCK_VALUES as i32);
+        assert_eq!(defined("SJ_Q8_0_CODES_OFFSET"), q8_0::CODES_OFFSET as i32);
+        assert_eq!(defined("SJ_Q8_0_BLOCK_BYTES"), q8_0::BLOCK_BYTES as i32);
         for s in Staging::ALL {
-            assert_eq!(Staging::from_code(s.code()), Some(s));
-            assert_eq!(Staging::from_header_code(s.header_code()), Some(s));
+            assert_eq!(Staging::from_code(s.code() as u32), Some(s));
             assert_eq!(s.name().parse::<Staging>().unwrap(), s);
         }
     }

@@ -3,17 +3,17 @@
 //! A KV cache for LLM inference keeps, per layer, a 128-token fp16 *sink*, an 8-bit staging
 //! *ring* of recent tokens, and older tokens sealed in 128-token *body records*: keys and values
 //! are Walsh-Hadamard rotated, Sinkhorn balanced and coded at 2/3/4 bits (scalar rounding or a
-//! 64-state trellis) with absorbed fp16 scales. Records live in a [`cache::RecordPool`] shared by
-//! many [`cache::Sequence`]s (forks share their prefix); [`attention::attend`] reads the
+//! 64-state trellis) with absorbed fp16 scales. Records live in a [`RecordPool`] shared by
+//! many [`Sequence`]s (forks share their prefix); [`attention::attend`] reads the
 //! compressed cache directly. Everything runs on the CPU (the reference implementation); the
-//! optional `cuda` feature adds a device backend (`cuda::DeviceSequence`) whose kernels
+//! optional `cuda` feature adds a device backend (`backend::cuda::DeviceSequence`) whose kernels
 //! (this crate's `cuda/` folder) are compiled with NVRTC at run time, so nothing CUDA is needed
 //! to build.
 //!
 //! **Format.** The bytes are SJ-KVaRN as defined by the MIT-licensed C99 reference codec,
 //! [JakeATX/sj-kvarn-codec](https://github.com/JakeATX/sj-kvarn-codec) v2.0: body records
 //! ([`codec`]), the `tq6_0` staging rows, the journal rules ([`journal`]) and the `SJKVSEQ`
-//! sequence state stream ([`cache::Sequence::state_bytes`]); the reference's bit-exactness
+//! sequence state stream ([`Sequence::state_bytes`]); the reference's bit-exactness
 //! vectors and golden state hashes are reproduced by this crate's tests. Extensions (64-wide
 //! trellis heads, 5/6/8-bit sides, `q8_0` staging, centred keys, the exact window) and the comparator formats ([`codec::comparators`],
 //! reachable by name through [`codec::format`]) are described with every byte layout in
@@ -50,17 +50,17 @@
 //! ```
 //!
 //! Layout: [`codec`] (the record format, its [`codec::extension`]s and the
-//! [`codec::comparators`]), [`journal`] (the rules: sink, ring, seals), [`cache`] (the journal
-//! shell: configuration, sequences, record pool, snapshots), [`attention`] (the CPU kernels);
-//! `examples/serve.rs` shows a server loop over many sequences.
+//! [`codec::comparators`]); [`journal`] (the spec every backend runs: configuration, presets,
+//! row layouts, seal rules, state stream, and the [`journal::capability`] table of which
+//! backend runs which setting); [`backend`] (the backends, each in its own room: [`backend::cpu`],
+//! `backend::cuda`, behind the [`Journal`] trait); [`attention`] (the CPU kernels). See the
+//! repository's `docs/architecture.md`; `examples/serve.rs` shows a server loop over many
+//! sequences.
 
 pub(crate) mod atomic_file;
 pub mod attention;
 pub mod backend;
-pub mod cache;
 pub mod codec;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzz;
@@ -73,14 +73,13 @@ pub(crate) mod simd;
 pub use codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
 pub use codec::extension::body::{BodySpec, GROUP};
 pub use codec::format::BlockFormat;
-pub use error::{CodecError, Result};
+pub use error::{CacheError, CacheResult, CodecError, Result};
 
 // What a native server needs, at the crate root: a configuration, sequences on a shared record
 // pool, attention over them, and the errors.
 pub use attention::{attend, attend_with_threads};
-pub use backend::Journal;
-pub use cache::{
-    CacheConfig, CacheError, CacheResult, JournalPreset, LayerCoding, MemoryReport, RecordPool,
-    Sequence, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
-};
+pub use backend::{Journal, MemoryReport, RecordPool, Sequence};
 pub use codec::extension::body::BodyCoding;
+pub use journal::{
+    CacheConfig, JournalPreset, LayerCoding, Staging, DEFAULT_JOURNAL, REFERENCE_JOURNAL,
+};

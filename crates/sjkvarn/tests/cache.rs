@@ -3,9 +3,11 @@
 
 use proptest::prelude::*;
 use sjkvarn::attention::attend;
-use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, LayerImage, Sequence, Staging, SINK};
+use sjkvarn::backend::{LayerImage, Sequence};
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::codec::rotation::rotate_heads;
+use sjkvarn::error::CacheError;
+use sjkvarn::journal::{CacheConfig, LayerCoding, Staging, SINK};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
 
@@ -331,7 +333,7 @@ fn snapshots_round_trip_and_refuse_damage() {
 #[test]
 fn pool_exhaustion_during_a_seal_loses_nothing() {
     let cfg = small_config(Staging::Tq6, LayerCoding::scalar(4, 4));
-    let pool = sjkvarn::cache::RecordPool::new(cfg.slot_bytes(), 2);
+    let pool = sjkvarn::backend::RecordPool::new(cfg.slot_bytes(), 2);
     let mut seq = Sequence::new(Arc::new(cfg.clone()), pool).unwrap();
     let mut rng = SplitMix64::new(9);
     let mut len = 0;
@@ -397,29 +399,30 @@ fn bad_input_is_refused_without_change() {
 fn many_sequences_from_threads_with_forks_and_truncates() {
     let cfg = Arc::new(small_config(Staging::Tq6, LayerCoding::scalar(3, 3)));
     let pool = Sequence::pool_for(&cfg, 16);
-    let run =
-        |seed: u64, pool: Arc<sjkvarn::cache::RecordPool>| -> (Vec<LayerImage>, Vec<LayerImage>) {
-            let mut rng = SplitMix64::new(seed);
-            let mut seq = Sequence::new(cfg.clone(), pool).unwrap();
-            let mut t = 0;
-            while t < 600 {
-                let take = seq.chunk_limit(0).unwrap().min(600 - t).min(40);
-                seq.append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
-                    .unwrap();
-                t += take;
-            }
-            let mut child = seq.fork();
-            let back = child.truncate(450).unwrap();
-            let mut t = back;
-            while t < 650 {
-                let take = child.chunk_limit(0).unwrap().min(650 - t).min(40);
-                child
-                    .append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
-                    .unwrap();
-                t += take;
-            }
-            (images(&seq), images(&child))
-        };
+    let run = |seed: u64,
+               pool: Arc<sjkvarn::backend::RecordPool>|
+     -> (Vec<LayerImage>, Vec<LayerImage>) {
+        let mut rng = SplitMix64::new(seed);
+        let mut seq = Sequence::new(cfg.clone(), pool).unwrap();
+        let mut t = 0;
+        while t < 600 {
+            let take = seq.chunk_limit(0).unwrap().min(600 - t).min(40);
+            seq.append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+                .unwrap();
+            t += take;
+        }
+        let mut child = seq.fork();
+        let back = child.truncate(450).unwrap();
+        let mut t = back;
+        while t < 650 {
+            let take = child.chunk_limit(0).unwrap().min(650 - t).min(40);
+            child
+                .append(0, &kv(&mut rng, take, 2), &kv(&mut rng, take, 2))
+                .unwrap();
+            t += take;
+        }
+        (images(&seq), images(&child))
+    };
     let serial: Vec<_> = (0..6)
         .map(|s| run(s, Sequence::pool_for(&cfg, 4)))
         .collect();
@@ -755,7 +758,7 @@ fn overflowing_scores_are_an_error_not_nan() {
 
 #[test]
 fn the_recommended_journal_is_the_default_and_the_reference_stays_reachable() {
-    use sjkvarn::cache::{DEFAULT_JOURNAL, REFERENCE_JOURNAL};
+    use sjkvarn::journal::{DEFAULT_JOURNAL, REFERENCE_JOURNAL};
     let coding = LayerCoding::scalar(4, 4);
     let rec = CacheConfig::recommended(2, 4, 2, 128, coding, 8192);
     let reference = CacheConfig::uniform(2, 4, 2, 128, coding, 8192);
@@ -889,7 +892,7 @@ fn centred_keys_cut_the_coded_key_error() {
 
 #[test]
 fn centred_states_carry_their_rotation_id_and_old_snapshots_still_load() {
-    use sjkvarn::cache::snapshot::ROTATION_CENTRED_KEYS;
+    use sjkvarn::backend::cpu::snapshot::ROTATION_CENTRED_KEYS;
     let mut rng = SplitMix64::new(67);
     let mut cfg = small_config(Staging::Q8_0, LayerCoding::scalar(4, 4));
     cfg.centre_keys = true;
@@ -919,20 +922,28 @@ fn centred_states_carry_their_rotation_id_and_old_snapshots_still_load() {
     old.append(1, &k[..300 * 2 * D], &v[..300 * 2 * D]).unwrap();
     let v4 = old.snapshot_bytes().unwrap();
     // configuration block: 4 u32, 5 u64, sink type u8, sink u64, then the flags byte (version
-    // 3 on) and `exact_recent: u32` (version 4 on)
+    // 3 on), `exact_recent: u32` (version 4 on) and the staging byte (numbered `tq6_0` 0,
+    // `q8_0` 1, `f16` 2 before version 5)
     let flags_at = 20 + 4 * 4 + 5 * 8 + 1 + 8;
     assert_eq!(v4[flags_at], 0);
+    assert_eq!(v4[flags_at + 5], plain.k_staging.code());
+    let legacy = [Staging::Tq6, Staging::Q8_0, Staging::F16]
+        .iter()
+        .position(|&s| s == plain.k_staging)
+        .unwrap() as u8;
     let q = rng.gaussians(4 * D);
     for (version, cut) in [
         (2u32, flags_at..flags_at + 5),
         (3, flags_at + 1..flags_at + 5),
+        (4, flags_at + 5..flags_at + 5),
     ] {
         let mut old_file = v4[..cut.start].to_vec();
         old_file.extend_from_slice(&v4[cut.end..v4.len() - 8]);
+        old_file[cut.start] = legacy;
         old_file[8..12].copy_from_slice(&version.to_le_bytes());
         let payload_len = (old_file.len() - 20) as u64;
         old_file[12..20].copy_from_slice(&payload_len.to_le_bytes());
-        let sum = sjkvarn::cache::snapshot::fnv1a64(&old_file);
+        let sum = sjkvarn::backend::cpu::snapshot::fnv1a64(&old_file);
         old_file.extend_from_slice(&sum.to_le_bytes());
         let back = Sequence::from_snapshot(&old_file, None, None).unwrap();
         assert_eq!(back.config(), &plain, "version {version}");
@@ -945,7 +956,7 @@ fn centred_states_carry_their_rotation_id_and_old_snapshots_still_load() {
     let mut bad = v4.clone();
     bad[flags_at] = 2;
     let n = bad.len();
-    let sum = sjkvarn::cache::snapshot::fnv1a64(&bad[..n - 8]);
+    let sum = sjkvarn::backend::cpu::snapshot::fnv1a64(&bad[..n - 8]);
     bad[n - 8..].copy_from_slice(&sum.to_le_bytes());
     assert!(Sequence::from_snapshot(&bad, None, None).is_err());
 }

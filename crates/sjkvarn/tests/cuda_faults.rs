@@ -6,9 +6,10 @@
 //! `tests/cuda_probe.rs`. The fault is process-wide, so this binary has one test.
 #![cfg(feature = "cuda")]
 
-use sjkvarn::cache::faults;
-use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence};
-use sjkvarn::cuda::{DevicePool, DeviceSequence};
+use sjkvarn::backend::cpu::faults;
+use sjkvarn::backend::cuda::{DevicePool, DeviceSequence};
+use sjkvarn::backend::Sequence;
+use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
 

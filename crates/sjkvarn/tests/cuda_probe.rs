@@ -2,8 +2,8 @@
 //! return errors, never panic; with a GPU they must work.
 #![cfg(feature = "cuda")]
 
-use sjkvarn::cache::{CacheConfig, LayerCoding};
-use sjkvarn::cuda::{availability, CudaError, DevicePool, DeviceSequence};
+use sjkvarn::backend::cuda::{availability, CudaError, DevicePool, DeviceSequence};
+use sjkvarn::journal::{CacheConfig, LayerCoding};
 use std::sync::Arc;
 
 #[test]

@@ -2,7 +2,8 @@
 //! prefill against decoding, truncation, forks, and the state section that carries the copies.
 
 use sjkvarn::attention::attend;
-use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence, Staging};
+use sjkvarn::backend::Sequence;
+use sjkvarn::journal::{CacheConfig, LayerCoding, Staging};
 use sjkvarn::rng::SplitMix64;
 use std::sync::Arc;
 
@@ -276,7 +277,7 @@ fn bad_windows_are_refused_and_windows_are_not_reference() {
     assert!(cfg.is_reference());
     cfg.exact_recent = 16;
     assert!(!cfg.is_reference());
-    cfg.exact_recent = sjkvarn::cache::MAX_EXACT_RECENT + 1;
+    cfg.exact_recent = sjkvarn::journal::MAX_EXACT_RECENT + 1;
     let e = cfg.validate().unwrap_err();
     assert!(e.to_string().contains("exact_recent"), "{e}");
 }

@@ -2,8 +2,10 @@
 //! leaves the sequence byte-identical to before, and a snapshot write that stops part-way never
 //! replaces a good file. The faults are process-wide, so this binary runs its cases in order.
 
-use sjkvarn::cache::faults;
-use sjkvarn::cache::{CacheConfig, CacheError, LayerCoding, RecordPool, Sequence};
+use sjkvarn::backend::cpu::faults;
+use sjkvarn::backend::{RecordPool, Sequence};
+use sjkvarn::error::CacheError;
+use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
 use std::sync::{Arc, Mutex};
 

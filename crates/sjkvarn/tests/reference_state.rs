@@ -4,8 +4,9 @@
 //! API (our own implementation of its position-addressable input generator and ubatch pattern),
 //! plus round trips and the reference's truncation semantics.
 
-use sjkvarn::cache::{CacheConfig, LayerCoding, Sequence, SinkType, Staging};
+use sjkvarn::backend::Sequence;
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
+use sjkvarn::journal::{CacheConfig, LayerCoding, SinkType, Staging};
 use std::sync::Arc;
 
 const D: usize = 128;

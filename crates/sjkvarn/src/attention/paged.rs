@@ -1,15 +1,24 @@
 //! Attention over an engine's paged blocks (vLLM's block table): the same kernels as
 //! [`attend`](super::attend), over blocks the caller names one by one instead of a
-//! [`Sequence`](crate::cache::Sequence)'s journal. A block is either a sealed body record, read
+//! [`Sequence`](crate::backend::Sequence)'s journal. A block is either a sealed body record, read
 //! in place, or exact rows (the sink, the block being filled).
 
-use super::{
-    fold_dense, fold_record, rotate_rows, rotated_by_head, score_overflow, write_head, Ahead,
-    BodyCodec, CacheError, CacheResult, ExactWindow, FragmentKernel, Lease, Queries, RingKernel,
-    Softmax, WordKernel, GROUP, PAIRS,
-};
+use super::fragment_dots::FragmentKernel;
+use super::online_softmax::Softmax;
+use super::output::{rotated_by_head, score_overflow, write_head};
+use super::region::dense::fold_dense;
+use super::region::record::fold_record;
+use super::ring_tq6::RingKernel;
+use super::word_dots::WordKernel;
+use super::workspace::{Lease, Queries, PAIRS};
+use crate::backend::cpu::exact_window::ExactWindow;
+use crate::codec::extension::body::GROUP;
+use crate::codec::rotation::rotate_heads as rotate_rows;
+use crate::codec::BodyCodec;
 use crate::error::check_finite;
+use crate::error::{CacheError, CacheResult};
 use crate::simd::simd_level;
+use crate::simd::Ahead;
 
 /// One 128-position block of a paged cache.
 #[derive(Clone, Copy, Debug)]

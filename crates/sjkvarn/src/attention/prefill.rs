@@ -12,10 +12,11 @@
 //! never by the thread count, and each item runs alone in a fixed order: the result is the
 //! same for every thread count.
 
+use super::job::Job;
 use super::online_softmax::{exp_nonpositive_fused, exp_sum_fused, lane_max};
-use super::{finish_sums, Job};
-use crate::cache::CacheResult;
+use super::output::finish_sums;
 use crate::codec::extension::body::GROUP;
+use crate::error::CacheResult;
 use crate::parallel::run_items;
 use crate::simd::SimdLevel;
 use half::slice::HalfFloatSliceExt;

@@ -8,12 +8,12 @@
 //! rounded. Decoding a row first would write and read back 4 bytes per value; the fused sum
 //! reads the 1-byte codes once.
 
+use super::operands::value_operands_fit;
 use super::ring_tq6::RingKernel;
-use super::value_operands_fit;
-use crate::cache::staging::RowCodec;
-use crate::cache::Staging;
 use crate::codec::comparators::ggml::QK;
 use crate::codec::fp16::f16_to_f32;
+use crate::journal::RowCodec;
+use crate::journal::Staging;
 
 /// Bytes of one `q8_0` block: the fp16 scale, then 32 signed codes.
 const BLOCK_BYTES: usize = 2 + QK;

@@ -1,12 +1,24 @@
-//! One interface over the sequences of every backend: what a server (or the Python bindings)
-//! calls on a cache, whatever memory holds it. The CPU [`Sequence`] and the CUDA
-//! `cuda::DeviceSequence` both follow the journal rules of [`crate::journal`]; this trait is
-//! their shared shell, so code above it is written once and tested against the CPU reference.
+//! The backends that run the journal of [`crate::journal`], each in its own room: [`cpu`] (the
+//! reference: host memory), `cuda` (device memory, feature `cuda`) and `paged` (an engine's
+//! block pages, vLLM's). [`pool`] holds the sealed records the CPU and CUDA sequences share.
+//!
+//! [`Journal`] is one interface over the sequences of every backend: what a server (or the
+//! Python bindings) calls on a cache, whatever memory holds it. Both sequences take every
+//! decision from the same journal rules; this trait is their shared shell, so code above it is
+//! written once and tested against the CPU reference. Which settings each backend runs is
+//! [`crate::journal::capability`]'s table.
 
-use crate::cache::pool::PoolStats;
-use crate::cache::{CacheConfig, CacheError, MemoryReport, RecordPool, Sequence};
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod pool;
+
+pub use cpu::{LayerImage, MemoryReport, Sequence};
+pub use pool::{PoolStats, RecordPool, SlotId};
+
+use crate::error::CacheError;
+use crate::journal::CacheConfig;
 use std::ops::Range;
-use std::sync::Arc;
 
 /// A sequence's journal on some backend: append and attend over host slices, the journal's
 /// bookkeeping, and a copy in host memory (snapshots, states and comparisons read that).
@@ -46,111 +58,12 @@ pub trait Journal: Send + Sized {
     fn to_host(&self) -> Result<Sequence, Self::Error>;
 }
 
-impl Journal for Sequence {
-    type Error = CacheError;
-
-    fn config(&self) -> &CacheConfig {
-        Sequence::config(self)
-    }
-    fn len(&self, layer: usize) -> Result<usize, CacheError> {
-        Sequence::len(self, layer)
-    }
-    fn regions(&self, layer: usize) -> Result<[Range<usize>; 3], CacheError> {
-        Sequence::regions(self, layer)
-    }
-    fn chunk_limit(&self, layer: usize) -> Result<usize, CacheError> {
-        Sequence::chunk_limit(self, layer)
-    }
-    fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), CacheError> {
-        Sequence::append(self, layer, k, v)
-    }
-    fn attend_host(
-        &self,
-        layer: usize,
-        q: &[f32],
-        scale: Option<f32>,
-    ) -> Result<Vec<f32>, CacheError> {
-        crate::attention::attend(self, layer, q, scale)
-    }
-    fn truncate(&mut self, n: usize) -> Result<usize, CacheError> {
-        Sequence::truncate(self, n)
-    }
-    fn seal_idle(&mut self, keep_recent: usize) -> Result<(), CacheError> {
-        Sequence::seal_idle(self, keep_recent)
-    }
-    fn fork(&self) -> Result<Self, CacheError> {
-        Ok(Sequence::fork(self))
-    }
-    fn memory(&self) -> MemoryReport {
-        Sequence::memory(self)
-    }
-    fn pool_stats(&self) -> PoolStats {
-        self.pool().stats()
-    }
-    fn to_host(&self) -> Result<Sequence, CacheError> {
-        let config = Arc::new(self.config().clone());
-        let pool = RecordPool::new(config.slot_bytes(), config.slots_per_sequence());
-        let images = (0..config.layers)
-            .map(|l| self.layer_image(l))
-            .collect::<Result<Vec<_>, _>>()?;
-        Sequence::from_images(config, pool, &images)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Journal for crate::cuda::DeviceSequence {
-    type Error = crate::cuda::CudaError;
-
-    fn config(&self) -> &CacheConfig {
-        crate::cuda::DeviceSequence::config(self)
-    }
-    fn len(&self, layer: usize) -> Result<usize, Self::Error> {
-        crate::cuda::DeviceSequence::len(self, layer)
-    }
-    fn regions(&self, layer: usize) -> Result<[Range<usize>; 3], Self::Error> {
-        crate::cuda::DeviceSequence::regions(self, layer)
-    }
-    fn chunk_limit(&self, layer: usize) -> Result<usize, Self::Error> {
-        crate::cuda::DeviceSequence::chunk_limit(self, layer)
-    }
-    fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), Self::Error> {
-        crate::cuda::DeviceSequence::append_host(self, layer, k, v)
-    }
-    fn attend_host(
-        &self,
-        layer: usize,
-        q: &[f32],
-        scale: Option<f32>,
-    ) -> Result<Vec<f32>, Self::Error> {
-        crate::cuda::DeviceSequence::attend_host(self, layer, q, scale)
-    }
-    fn truncate(&mut self, n: usize) -> Result<usize, Self::Error> {
-        crate::cuda::DeviceSequence::truncate(self, n)
-    }
-    fn seal_idle(&mut self, keep_recent: usize) -> Result<(), Self::Error> {
-        crate::cuda::DeviceSequence::seal_idle(self, keep_recent)
-    }
-    fn fork(&self) -> Result<Self, Self::Error> {
-        crate::cuda::DeviceSequence::fork(self)
-    }
-    fn memory(&self) -> MemoryReport {
-        crate::cuda::DeviceSequence::memory(self)
-    }
-    fn pool_stats(&self) -> PoolStats {
-        self.pool().stats()
-    }
-    fn to_host(&self) -> Result<Sequence, Self::Error> {
-        let config = self.config();
-        let pool = RecordPool::new(config.slot_bytes(), config.slots_per_sequence());
-        crate::cuda::DeviceSequence::to_host(self, pool)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::LayerCoding;
+    use crate::journal::LayerCoding;
     use crate::rng::SplitMix64;
+    use std::sync::Arc;
 
     /// The journal contract through the trait alone: lengths, regions and chunk limits follow
     /// appends, seals and truncation; a fork and a host copy attend exactly as the original.

@@ -5,7 +5,7 @@
 //! has to copy: nothing is written after a seal). Reservation is all-or-nothing, so a seal that
 //! cannot get its slots fails before it changes anything.
 
-use super::{CacheError, CacheResult};
+use crate::error::{CacheError, CacheResult};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Index of a slot in the pool.

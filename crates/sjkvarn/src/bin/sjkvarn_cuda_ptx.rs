@@ -16,12 +16,18 @@ fn main() {
     std::fs::create_dir_all(&out).expect("create the output folder");
     let mut failed = false;
     for arch in arches {
-        let Some(&known) = sjkvarn::cuda::KERNEL_ARCHES.iter().find(|a| **a == arch) else {
-            eprintln!("{arch}: unknown; known: {:?}", sjkvarn::cuda::KERNEL_ARCHES);
+        let Some(&known) = sjkvarn::backend::cuda::KERNEL_ARCHES
+            .iter()
+            .find(|a| **a == arch)
+        else {
+            eprintln!(
+                "{arch}: unknown; known: {:?}",
+                sjkvarn::backend::cuda::KERNEL_ARCHES
+            );
             failed = true;
             continue;
         };
-        match sjkvarn::cuda::compile_ptx(known) {
+        match sjkvarn::backend::cuda::compile_ptx(known) {
             Ok(ptx) => {
                 let path = std::path::Path::new(&out).join(format!("sjkvarn-{arch}.ptx"));
                 std::fs::write(&path, ptx).expect("write the PTX");

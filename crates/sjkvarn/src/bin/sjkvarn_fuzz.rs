@@ -20,7 +20,7 @@
 //!
 //! `sjkvarn-fuzz [--seconds N] [--write-corpus] [records|snapshot|api|files ...]`
 
-use sjkvarn::cache::snapshot::fnv1a64;
+use sjkvarn::backend::cpu::snapshot::fnv1a64;
 use sjkvarn::fuzz::{seed_corpus, Outcome};
 use sjkvarn::rng::SplitMix64;
 use std::collections::HashSet;

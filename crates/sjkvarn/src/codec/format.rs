@@ -79,7 +79,10 @@ impl BlockFormat {
         ALL.iter()
             .copied()
             .find(|f| f.name() == lower || (lower == "fp16" && *f == BlockFormat::F16))
-            .ok_or_else(|| CodecError::UnknownFormat(name.to_string()))
+            .ok_or_else(|| CodecError::UnknownFormat {
+                name: name.to_string(),
+                known: Self::names().join(", "),
+            })
     }
 
     fn kind(self) -> Kind {
@@ -436,7 +439,7 @@ mod tests {
         assert!((BlockFormat::Tq6_0.bits_per_value() - 6.125).abs() < 1e-12);
         assert!(matches!(
             BlockFormat::from_name("q3_k"),
-            Err(CodecError::UnknownFormat(_))
+            Err(CodecError::UnknownFormat { .. })
         ));
     }
 

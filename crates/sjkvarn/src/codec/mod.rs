@@ -32,6 +32,7 @@ pub(crate) mod hadamard;
 pub(crate) mod layout;
 pub mod lloyd_max;
 mod lloyd_max_tables;
+pub mod q8_0;
 pub(crate) mod record;
 pub mod rotation;
 pub mod tq6;

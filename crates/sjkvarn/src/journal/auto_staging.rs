@@ -12,8 +12,8 @@
 //! Each side gets the smallest candidate (`tq6_0`, `q8_0`, `f16`) whose score is at most the
 //! budget. Staging types are not part of sealed records, so any pick keeps the format.
 
-use super::config::Staging;
-use super::staging::RowCodec;
+use super::rows::RowCodec;
+use super::rows::Staging;
 
 /// Candidates, smallest first.
 pub const CANDIDATES: [Staging; 3] = [Staging::Tq6, Staging::Q8_0, Staging::F16];

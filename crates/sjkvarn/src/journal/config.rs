@@ -1,9 +1,11 @@
 //! Cache configuration and its validation.
 
-use super::{CacheError, CacheResult};
+use super::presets::{JournalPreset, DEFAULT_JOURNAL, REFERENCE_JOURNAL};
+use super::rows::{RingRows, Staging};
 use crate::codec::extension::balance::BalanceConfig;
 use crate::codec::extension::body::{BodyCoding, GROUP};
 use crate::codec::BodyCodec;
+use crate::error::{CacheError, CacheResult};
 use crate::journal::Rules;
 
 /// Default sink: positions kept in fp16 at the start of every sequence (the reference's 128).
@@ -15,51 +17,6 @@ pub const MAX_EXACT_RECENT: usize = 4096;
 
 /// Longest supported sequence.
 pub const MAX_TOKENS: usize = 1 << 24;
-
-/// The journal's shape apart from geometry and body bits: the unsealed span and how ring rows
-/// are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JournalPreset {
-    /// Unsealed tokens kept after a seal.
-    pub min_tail: usize,
-    /// Unsealed span that triggers a seal.
-    pub max_tail: usize,
-    pub k_staging: Staging,
-    pub v_staging: Staging,
-    /// Whether ring and body keys are stored minus the sink's mean key (see
-    /// [`CacheConfig::centre_keys`]).
-    pub centre_keys: bool,
-    /// Newest positions each query reads in fp16 (see [`CacheConfig::exact_recent`]).
-    pub exact_recent: usize,
-}
-
-/// What a configuration gets unless told otherwise: a `q8_0` ring of 2,048 to 3,072 unsealed
-/// tokens, keys centred on the sink's mean key. Keys of small models carry a large offset shared
-/// by every position, which the 6-bit `tq6_0` ring codes worse than the 4-bit body (Gemma 3
-/// 270M's layer 11: attention-output error 0.108 with `tq6_0` keys, 0.039 with `q8_0` keys);
-/// removing the offset before any coding (softmax does not see it) cuts the ring's and the
-/// body's key error again by about a quarter. The shorter ring keeps the allocation at or below
-/// paper-faithful KVarN with its 1,024-token exact tail. Measurements:
-/// `docs/results/quality.md`.
-pub const DEFAULT_JOURNAL: JournalPreset = JournalPreset {
-    min_tail: 2048,
-    max_tail: 3072,
-    k_staging: Staging::Q8_0,
-    v_staging: Staging::Q8_0,
-    centre_keys: true,
-    exact_recent: 0,
-};
-
-/// The SJ-KVaRN reference codec's defaults (`tq6_0` keys and values, 4,096 to 8,192 unsealed
-/// tokens): what its bit-exactness vectors and golden state hashes are defined for.
-pub const REFERENCE_JOURNAL: JournalPreset = JournalPreset {
-    min_tail: 4096,
-    max_tail: 8192,
-    k_staging: Staging::Tq6,
-    v_staging: Staging::Tq6,
-    centre_keys: false,
-    exact_recent: 0,
-};
 
 /// Bits and coding of one layer's body records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,92 +38,9 @@ impl LayerCoding {
     }
 }
 
-/// How staged (unsealed) ring rows are stored. Every staging type holds rotated rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Staging {
-    /// The reference's `tq6_0`: per-128 norm, 64 Lloyd-Max centroids, 6.125 bits/value
-    /// (default; 64-wide heads use the 64-value extension block).
-    Tq6,
-    /// llama.cpp q8_0 on rotated values, 8.5 bits/value (sjkvarn extension).
-    Q8_0,
-    /// Rotated fp16 (the reference's opt-in exact staging).
-    F16,
-}
-
-impl Staging {
-    /// Every staging kind, in [`Staging::code`] order.
-    pub const ALL: [Staging; 3] = [Staging::Tq6, Staging::Q8_0, Staging::F16];
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            Staging::Tq6 => "tq6_0",
-            Staging::Q8_0 => "q8_0",
-            Staging::F16 => "f16",
-        }
-    }
-
-    /// sjkvarn's number for the kind: the snapshot file's configuration byte and the CUDA
-    /// kernels' `SJ_STAGING_*` (`kernel_abi` takes its constants from here; a host test checks
-    /// `cuda/sj_layer.cuh` against them).
-    pub const fn code(self) -> u8 {
-        match self {
-            Staging::Tq6 => 0,
-            Staging::Q8_0 => 1,
-            Staging::F16 => 2,
-        }
-    }
-
-    pub fn from_code(code: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.code() == code)
-    }
-
-    /// The kind's code in an `SJKVSEQ` header: the reference's `tq6_0` (0) and `f16` (1), and
-    /// the `q8_0` extension (2).
-    pub const fn header_code(self) -> u32 {
-        match self {
-            Staging::Tq6 => crate::journal::state::STAGING_TQ6_0,
-            Staging::F16 => crate::journal::state::STAGING_F16,
-            Staging::Q8_0 => 2,
-        }
-    }
-
-    pub fn from_header_code(code: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.header_code() == code)
-    }
-
-    pub fn from_name(name: &str) -> CacheResult<Self> {
-        match name {
-            "fp16" => Ok(Staging::F16),
-            _ => Self::ALL
-                .into_iter()
-                .find(|s| s.name() == name)
-                .ok_or_else(|| {
-                    CacheError::InvalidConfig(format!(
-                        "staging must be 'tq6_0', 'q8_0', 'f16', 'K/V' (e.g. 'q8_0/tq6_0') or \
-                         'auto', got '{name}'"
-                    ))
-                }),
-        }
-    }
-}
-
-impl std::str::FromStr for Staging {
-    type Err = CacheError;
-
-    fn from_str(name: &str) -> CacheResult<Self> {
-        Self::from_name(name)
-    }
-}
-
-impl std::fmt::Display for Staging {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// The ring staging a user writes: `"tq6_0"`, `"q8_0"`, `"f16"` (keys and values), `"K/V"`
 /// (e.g. `"q8_0/tq6_0"`: keys and values apart) or `"auto"` (each layer measures its own first
-/// rows; `budget` defaults to [`super::DEFAULT_STAGING_BUDGET`]). Returns the K and V
+/// rows; `budget` defaults to [`super::auto_staging::DEFAULT_BUDGET`]). Returns the K and V
 /// staging and the auto budget.
 pub fn parse_staging(
     spec: &str,
@@ -506,7 +380,7 @@ impl CacheConfig {
     }
 
     /// Bytes of one layer's ring stored as `rows`.
-    pub fn ring_bytes(&self, rows: super::staging::RingRows) -> usize {
+    pub fn ring_bytes(&self, rows: RingRows) -> usize {
         self.ring_rows() * self.kv_heads * rows.entry_bytes()
     }
 

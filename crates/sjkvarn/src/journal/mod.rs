@@ -1,9 +1,12 @@
-//! The journal: when rows leave the exact staging ring for the compact body, how a sequence is cut
-//! back for prompt caching, and how one sequence is saved and restored.
+//! The journal spec, written once for every backend: what a cache is configured with
+//! ([`CacheConfig`], the presets [`DEFAULT_JOURNAL`] and [`REFERENCE_JOURNAL`]), how ring rows are
+//! stored ([`rows`]: every row layout and the one numbering of staging kinds), when rows leave
+//! the ring for the compact body, how a sequence is cut back for prompt caching, how one
+//! sequence is saved and restored, and which backend runs which setting ([`capability`]).
 //!
-//! These are the rules and the `SJKVSEQ` stream of the SJ-KVaRN 2.0 reference codec, restated so
-//! that the CPU and the CUDA sequences take every decision from the same code and agree on every
-//! position and byte.
+//! The rules and the `SJKVSEQ` stream are the SJ-KVaRN 2.0 reference codec's, restated so that
+//! every backend takes every decision from the same code and agrees on every position and byte.
+//! Nothing here imports a backend or attention: only the codec and the errors below it.
 //!
 //! # Regions
 //!
@@ -37,11 +40,27 @@
 //! Nothing is ever re-quantised: a record is a function of its own `G` rows only, so the kept
 //! records stay bit-identical to a fresh build.
 //!
-//! `policy` holds these rules; `state` the versioned, checksummed stream of one sequence.
+//! `policy` holds these rules, `plan` their per-layer bookkeeping, `state` the versioned,
+//! checksummed stream of one sequence.
 
+pub mod auto_staging;
+pub mod capability;
+pub mod centring;
+pub(crate) mod config;
 pub(crate) mod plan;
 pub(crate) mod policy;
+pub(crate) mod presets;
+pub mod rows;
 pub(crate) mod state;
+
+pub use auto_staging::StagingPick;
+pub use capability::{backends, Backend, Setting};
+pub use centring::Centring;
+pub use config::{
+    parse_staging, CacheConfig, LayerCoding, SinkType, MAX_EXACT_RECENT, MAX_TOKENS, SINK,
+};
+pub use presets::{JournalPreset, DEFAULT_JOURNAL, REFERENCE_JOURNAL};
+pub use rows::{RingRows, RowCodec, Staging};
 
 pub use plan::{Chunk, LayerState, Rules};
 pub use policy::{group_floor, ring_capacity, ring_slot, Policy};
@@ -49,5 +68,5 @@ pub use state::{
     check_identity, codebook_id, fnv1a64, peek, walk_payload, write_state, write_state_vec,
     StateError, StateHeader, StateIdentity, StateInfo, StateItem, StateSource, BODY_SCALAR,
     BODY_TRELLIS, CHECKSUM_BYTES, FORMAT_VERSION, ROTATION_HADAMARD, SINK_F16, SINK_INHERIT,
-    STAGING_F16, STAGING_TQ6_0, STATE_HEADER_BYTES, STATE_MAGIC, STATE_VERSION,
+    STAGING_F16, STAGING_Q8_0, STAGING_TQ6_0, STATE_HEADER_BYTES, STATE_MAGIC, STATE_VERSION,
 };

@@ -1,15 +1,88 @@
-//! Storage of one staged head vector (one K or V row of one KV head) in the ring.
+//! Every row layout of the ring (and of a sink stored in the staging type): one staged head
+//! vector, one K or V row of one KV head.
 //!
 //! Every staging type holds Hadamard-rotated rows, as the reference does: `tq6_0` (the
-//! reference's 98-byte blocks; a 64-wide head uses the 50-byte extension block), rotated fp16,
-//! and the `q8_0` extension. Keys and values may use different types ([`RingRows`]).
+//! reference's 98-byte blocks, [`crate::codec::tq6`]; a 64-wide head uses the 50-byte
+//! extension block), rotated fp16, and the `q8_0` extension ([`crate::codec::q8_0`]). Keys and
+//! values may use different types ([`RingRows`]). [`Staging::code`] is the one numbering of
+//! the kinds.
 
-use super::config::Staging;
-use crate::codec::comparators::ggml::GgmlFormat;
-use crate::codec::tq6;
+use super::state::{STAGING_F16, STAGING_Q8_0, STAGING_TQ6_0};
+use crate::codec::{q8_0, tq6};
+use crate::error::{CacheError, CacheResult};
 use crate::{CodecError, Result};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+
+/// How staged (unsealed) ring rows are stored. Every staging type holds rotated rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// The reference's `tq6_0`: per-128 norm, 64 Lloyd-Max centroids, 6.125 bits/value
+    /// (default; 64-wide heads use the 64-value extension block).
+    Tq6,
+    /// llama.cpp q8_0 on rotated values, 8.5 bits/value (sjkvarn extension).
+    Q8_0,
+    /// Rotated fp16 (the reference's opt-in exact staging).
+    F16,
+}
+
+impl Staging {
+    /// Every staging kind, in [`Staging::code`] order.
+    pub const ALL: [Staging; 3] = [Staging::Tq6, Staging::F16, Staging::Q8_0];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Staging::Tq6 => "tq6_0",
+            Staging::Q8_0 => "q8_0",
+            Staging::F16 => "f16",
+        }
+    }
+
+    /// The kind's one number, wherever a kind is stored: the `SJKVSEQ` header (the
+    /// reference's `tq6_0` 0 and `f16` 1, the `q8_0` extension 2), the snapshot's
+    /// configuration block and the CUDA kernels' `SJ_STAGING_*` (`kernel_abi` takes its
+    /// constants from here; a host test checks `cuda/sj_layer.cuh` against them).
+    pub const fn code(self) -> u8 {
+        (match self {
+            Staging::Tq6 => STAGING_TQ6_0,
+            Staging::F16 => STAGING_F16,
+            Staging::Q8_0 => STAGING_Q8_0,
+        }) as u8
+    }
+
+    pub fn from_code(code: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.code() as u32 == code)
+    }
+
+    pub fn from_name(name: &str) -> CacheResult<Self> {
+        match name {
+            "fp16" => Ok(Staging::F16),
+            _ => Self::ALL
+                .into_iter()
+                .find(|s| s.name() == name)
+                .ok_or_else(|| {
+                    CacheError::InvalidConfig(format!(
+                        "staging must be 'tq6_0', 'q8_0', 'f16', 'K/V' (e.g. 'q8_0/tq6_0') or \
+                         'auto', got '{name}'"
+                    ))
+                }),
+        }
+    }
+}
+
+impl std::str::FromStr for Staging {
+    type Err = CacheError;
+
+    fn from_str(name: &str) -> CacheResult<Self> {
+        Self::from_name(name)
+    }
+}
+
+impl std::fmt::Display for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Encoder/decoder of ring rows for one staging format and head size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +99,7 @@ impl RowCodec {
     pub fn row_bytes(&self) -> usize {
         match self.staging {
             Staging::Tq6 => tq6::row_bytes(self.head_dim),
-            Staging::Q8_0 => self.head_dim / 32 * GgmlFormat::Q8_0.block_bytes(),
+            Staging::Q8_0 => q8_0::row_bytes(self.head_dim),
             Staging::F16 => 2 * self.head_dim,
         }
     }
@@ -54,7 +127,7 @@ impl RowCodec {
                 }
             }
             Staging::Q8_0 => {
-                GgmlFormat::encode_q8_0_row(row, out).map_err(|d| CodecError::ScaleOverflow {
+                q8_0::encode_row(row, out).map_err(|d| CodecError::ScaleOverflow {
                     what: "q8_0 staging scale",
                     value: d,
                 })?;
@@ -80,7 +153,7 @@ impl RowCodec {
     pub fn decode(&self, bytes: &[u8], out: &mut [f32]) {
         match self.staging {
             Staging::Tq6 => tq6::decode_row(bytes, out),
-            Staging::Q8_0 => GgmlFormat::decode_q8_0_row(bytes, out),
+            Staging::Q8_0 => q8_0::decode_row(bytes, out),
             Staging::F16 => {
                 // 16 values at a time through the slice conversion (F16C where present).
                 let mut halves = [f16::ZERO; 16];

@@ -1,6 +1,6 @@
 //! The exact window (extension): fp16 copies of the newest rows of one layer, which each query
 //! reads for the `exact_recent` positions up to its own instead of the ring's codes
-//! ([`super::CacheConfig::exact_recent`]).
+//! ([`crate::journal::CacheConfig::exact_recent`]).
 //!
 //! The copies cover positions `first..len` after the sink. An append of positions
 //! `start..start + n` first drops the copies no query of that append can read (those before
@@ -10,7 +10,7 @@
 //! from the sink, the records and the ring as without the window. So a chunked prefill reads
 //! what the same tokens decoded one at a time read.
 
-use super::{CacheError, CacheResult};
+use crate::error::{CacheError, CacheResult};
 use half::f16;
 
 /// The copies of one layer, `[pos][kv_heads][head_dim]` fp16 in the rotated frame; keys as the

@@ -6,8 +6,8 @@
 //! that arm them run in their own test binary.
 
 #[cfg(feature = "fault-injection")]
-use super::CacheError;
-use super::CacheResult;
+use crate::error::CacheError;
+use crate::error::CacheResult;
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicI64, Ordering};
 

@@ -13,25 +13,28 @@
 //! heads, per-layer codings, balancing, sink, `max_tokens`), so a load restores the
 //! full configuration; it holds one single-layer stream per layer, so layers caught between
 //! appends, and tiered layers with different record sizes, save too. Layout (little-endian):
-//! `b"SJKVSNAP"`, `version: u32` (3; 2 is read too), `payload_len: u64`, payload = configuration block then per
+//! `b"SJKVSNAP"`, `version: u32` ([`VERSION`]; 2 and later are read too), `payload_len: u64`, payload = configuration block then per
 //! layer `len: u64` and its `SJKVSEQ` stream, `fnv1a64(everything before): u64`. Version-1 files (written before the reference format) are refused with what to do.
 //! Files are replaced through `atomic_file` (a private temporary, fsync, rename,
 //! directory fsync), so an interrupted save never replaces a good file.
 
-use super::auto_staging::StagingPick;
-use super::config::{CacheConfig, LayerCoding, SinkType, Staging};
-use super::pool::{RecordPool, SlotId};
-use super::sequence::Sequence;
-use super::staging::RingRows;
-use super::{CacheError, CacheResult};
-use crate::codec::extension::balance::{BalanceConfig, BalanceMode, BalanceStat};
-use crate::codec::extension::body::{BodyCoding, TrellisAxis, GROUP};
+use crate::backend::pool::{RecordPool, SlotId};
+use crate::backend::Sequence;
+use crate::codec::extension::body::GROUP;
 use crate::codec::{trellis::codebook, Body, BodyCodec};
+use crate::error::{CacheError, CacheResult};
+use crate::journal::RingRows;
+use crate::journal::StagingPick;
 use crate::journal::{self, StateHeader, StateIdentity, StateItem};
+use crate::journal::{CacheConfig, SinkType, Staging};
 use half::f16;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
+
+mod config_block;
+
+use config_block::{corrupt, read_config, write_config, Reader, Writer};
 
 /// The name ending of a save's temporary file (`.NAME.<pid>-<n>-<t>` plus this, beside the
 /// target): one a killed process left is removed by the next save to the same path.
@@ -40,20 +43,17 @@ pub use crate::atomic_file::TEMP_SUFFIX;
 const MAGIC: &[u8; 8] = b"SJKVSNAP";
 /// Format version; bumped on any layout change (2: the configuration plus an `SJKVSEQ` stream;
 /// 3: a flags byte after the sink, bit 0 = centred keys; 4: `exact_recent: u32` after the
-/// flags). Version-2 and -3 files still load.
-pub const VERSION: u32 = 4;
+/// flags; 5: staging bytes in [`Staging::code`]'s one numbering, `tq6_0` 0, `f16` 1, `q8_0` 2).
+/// Version-2 to -4 files still load.
+pub const VERSION: u32 = 5;
 /// Magic of the exact-window section that follows the `SJKVSEQ` stream of a cache with
 /// `exact_recent > 0` (extension, version 1): `exact_recent: u32`, then per layer of the
 /// stream `first: u64`, `rows: u64`, the K copies and the V copies (`[rows][kv_heads][d]`
 /// fp16), then `fnv1a64` of the section before it.
 pub const WINDOW_MAGIC: &[u8; 8] = b"SJKVWIN1";
-/// Flag bit of the configuration block: keys centred on the sink's mean.
-const FLAG_CENTRE_KEYS: u8 = 1;
 
 /// Header body code of extension records (not a reference body).
 pub const BODY_EXTENSION: u32 = 224;
-/// Header staging code of `q8_0` rings (not a reference staging type).
-pub const STAGING_Q8_0: u32 = Staging::Q8_0.header_code();
 /// Header rotation id of a cache whose keys after the sink are stored minus the sink's mean key
 /// (extension; see [`CacheConfig::centre_keys`]): Hadamard rotation, then the offset. The sink
 /// rows are stored as appended and the mean is recomputed from them, so the payload is unchanged.
@@ -66,26 +66,22 @@ pub const STAGING_SIDES: u32 = 0x100;
 pub fn staging_code(rows: RingRows) -> u32 {
     let (k, v) = (rows.k.staging, rows.v.staging);
     if k == v {
-        k.header_code()
+        k.code() as u32
     } else {
-        STAGING_SIDES + 16 * k.header_code() + v.header_code()
+        STAGING_SIDES + 16 * k.code() as u32 + v.code() as u32
     }
 }
 
 /// The K and V staging of a header staging code.
 pub fn staging_of_code(code: u32) -> Option<(Staging, Staging)> {
-    if let Some(s) = Staging::from_header_code(code) {
+    if let Some(s) = Staging::from_code(code) {
         return Some((s, s));
     }
     let sides = code.checked_sub(STAGING_SIDES).filter(|&c| c < 256)?;
     Some((
-        Staging::from_header_code(sides / 16)?,
-        Staging::from_header_code(sides % 16)?,
+        Staging::from_code(sides / 16)?,
+        Staging::from_code(sides % 16)?,
     ))
-}
-
-fn staging_of_byte(b: u8) -> CacheResult<Staging> {
-    Staging::from_code(b).ok_or_else(|| corrupt("unknown staging"))
 }
 
 /// FNV-1a, 64-bit: small, dependency-free and enough to catch corruption (not tampering).
@@ -93,189 +89,6 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
-}
-
-fn coding_byte(c: BodyCoding) -> u8 {
-    match c {
-        BodyCoding::Scalar => 0,
-        BodyCoding::Trellis(TrellisAxis::Token) => 1,
-    }
-}
-
-fn coding_of(b: u8) -> CacheResult<BodyCoding> {
-    match b {
-        0 => Ok(BodyCoding::Scalar),
-        1 => Ok(BodyCoding::Trellis(TrellisAxis::Token)),
-        _ => Err(corrupt("unknown body coding")),
-    }
-}
-
-fn corrupt(what: &str) -> CacheError {
-    CacheError::Snapshot(format!("corrupt or foreign file ({what})"))
-}
-
-struct Writer(Vec<u8>);
-
-impl Writer {
-    fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    fn u32(&mut self, v: usize) {
-        self.0.extend_from_slice(&(v as u32).to_le_bytes());
-    }
-    fn u64(&mut self, v: usize) {
-        self.0.extend_from_slice(&(v as u64).to_le_bytes());
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> CacheResult<&'a [u8]> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.bytes.len())
-            .ok_or_else(|| corrupt("truncated payload"))?;
-        let s = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn u8(&mut self) -> CacheResult<u8> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> CacheResult<usize> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")) as usize)
-    }
-    fn u64(&mut self) -> CacheResult<usize> {
-        usize::try_from(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-        .map_err(|_| corrupt("length"))
-    }
-}
-
-fn write_config(w: &mut Writer, c: &CacheConfig) {
-    for v in [c.layers, c.q_heads, c.kv_heads, c.head_dim] {
-        w.u32(v);
-    }
-    for v in [
-        c.min_tail,
-        c.max_tail,
-        c.max_chunk,
-        c.max_tokens,
-        c.flush_chunk,
-    ] {
-        w.u64(v);
-    }
-    w.u8((c.sink_type == SinkType::Inherit) as u8);
-    w.u64(c.sink);
-    w.u8(if c.centre_keys { FLAG_CENTRE_KEYS } else { 0 });
-    w.u32(c.exact_recent);
-    // One byte for one type (as version-2 files always held); 3 then K and V bytes for
-    // different types; 4 then the budget's f32 bits for `auto` (each layer's pick is in its
-    // stream's header).
-    match c.auto_staging {
-        Some(budget) => {
-            w.u8(4);
-            w.u32(budget.to_bits() as usize);
-        }
-        None if c.k_staging == c.v_staging => w.u8(c.k_staging.code()),
-        None => {
-            w.u8(3);
-            w.u8(c.k_staging.code());
-            w.u8(c.v_staging.code());
-        }
-    }
-    w.u32(c.balance.passes as usize);
-    w.u8((c.balance.mode == BalanceMode::Best) as u8);
-    w.u8((c.balance.stat == BalanceStat::Rms) as u8);
-    for lc in &c.layer_coding {
-        w.u8(lc.k_bits as u8);
-        w.u8(lc.v_bits as u8);
-        w.u8(coding_byte(lc.k_coding));
-        w.u8(coding_byte(lc.v_coding));
-    }
-}
-
-fn read_config(r: &mut Reader, version: u32) -> CacheResult<CacheConfig> {
-    let (layers, q_heads, kv_heads, head_dim) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-    let (min_tail, max_tail, max_chunk, max_tokens) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-    let flush_chunk = r.u64()?;
-    let sink_type = match r.u8()? {
-        0 => SinkType::F16,
-        1 => SinkType::Inherit,
-        _ => return Err(corrupt("unknown sink type")),
-    };
-    let sink = r.u64()?;
-    let flags = if version >= 3 { r.u8()? } else { 0 };
-    if flags & !FLAG_CENTRE_KEYS != 0 {
-        return Err(corrupt("unknown configuration flags"));
-    }
-    let exact_recent = if version >= 4 { r.u32()? } else { 0 };
-    let (k_staging, v_staging, auto_staging) = match r.u8()? {
-        3 => (staging_of_byte(r.u8()?)?, staging_of_byte(r.u8()?)?, None),
-        4 => {
-            let budget = f32::from_bits(r.u32()? as u32);
-            (Staging::Tq6, Staging::Tq6, Some(budget))
-        }
-        b => {
-            let s = staging_of_byte(b)?;
-            (s, s, None)
-        }
-    };
-    let balance = BalanceConfig {
-        passes: r.u32()? as u32,
-        mode: if r.u8()? == 1 {
-            BalanceMode::Best
-        } else {
-            BalanceMode::Final
-        },
-        stat: if r.u8()? == 1 {
-            BalanceStat::Rms
-        } else {
-            BalanceStat::Std
-        },
-    };
-    if layers > 4096 {
-        return Err(corrupt("layer count"));
-    }
-    let mut layer_coding = Vec::with_capacity(layers);
-    for _ in 0..layers {
-        layer_coding.push(LayerCoding {
-            k_bits: r.u8()? as u32,
-            v_bits: r.u8()? as u32,
-            k_coding: coding_of(r.u8()?)?,
-            v_coding: coding_of(r.u8()?)?,
-        });
-    }
-    let config = CacheConfig {
-        layers,
-        q_heads,
-        kv_heads,
-        head_dim,
-        layer_coding,
-        min_tail,
-        max_tail,
-        max_chunk,
-        flush_chunk,
-        max_tokens,
-        balance,
-        k_staging,
-        v_staging,
-        auto_staging,
-        sink,
-        sink_type,
-        centre_keys: flags & FLAG_CENTRE_KEYS != 0,
-        exact_recent,
-    };
-    config
-        .validate()
-        .map_err(|e| CacheError::Snapshot(format!("stored configuration is invalid: {e}")))?;
-    Ok(config)
 }
 
 impl CacheConfig {
@@ -485,7 +298,7 @@ impl Sequence {
                 Ok(out)
             };
             let (k, v) = (side()?, side()?);
-            windows.push(super::exact_window::ExactWindow { first, k, v });
+            windows.push(crate::backend::cpu::exact_window::ExactWindow { first, k, v });
         }
         if r.at != r.bytes.len() {
             return Err(bad("trailing bytes"));
@@ -531,7 +344,7 @@ impl Sequence {
             let (k, v) = staging_of_code(info.header.identity.staging)
                 .ok_or_else(|| corrupt("unknown staging code in the stream"))?;
             rows = RingRows::new(k, v, config.head_dim);
-            restored = Some(crate::cache::sequence::zeroed_ring(
+            restored = Some(crate::backend::cpu::alloc::zeroed_ring(
                 config.ring_bytes(rows),
             )?);
         }
@@ -637,7 +450,7 @@ impl Sequence {
     pub fn save(&self, path: &Path) -> CacheResult<()> {
         let bytes = self.snapshot_bytes()?;
         crate::atomic_file::replace_with(path, |f| {
-            if let Some(limit) = super::faults::take_snapshot_limit() {
+            if let Some(limit) = crate::backend::cpu::faults::take_snapshot_limit() {
                 f.write_all(&bytes[..limit.min(bytes.len())])?;
                 return Err(std::io::Error::other("injected failure while writing"));
             }

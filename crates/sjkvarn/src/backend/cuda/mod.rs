@@ -1,4 +1,4 @@
-//! CUDA backend (feature `cuda`): the journal of [`crate::cache::Sequence`] with its bytes in
+//! CUDA backend (feature `cuda`): the journal of [`crate::backend::Sequence`] with its bytes in
 //! device memory, driven by the kernels in the crate's `cuda/` folder (compiled with NVRTC at
 //! first use).
 //!
@@ -8,41 +8,16 @@
 //! byte-identical to it (checked on the host by `crates/sjkvarn-cuda-host`); only the reference
 //! bodies are supported on the device.
 
+mod error;
+mod journal;
 mod kernels;
+mod pool;
 mod sequence;
 
+pub use error::{CudaError, CudaResult};
 pub use kernels::{compile_ptx, kernel_cache_dir, KERNEL_ARCHES};
-pub use sequence::{DevicePool, DeviceSequence, ExternalStream};
-
-use crate::cache::CacheError;
-
-/// Everything that can go wrong on the CUDA backend.
-#[derive(Debug, thiserror::Error)]
-pub enum CudaError {
-    /// No driver, no GPU or no NVRTC: the backend cannot run on this machine.
-    #[error("CUDA is not available: {0}")]
-    Unavailable(String),
-    #[error("CUDA driver error: {0}")]
-    Driver(String),
-    #[error("NVRTC could not compile the sjkvarn kernels for {arch}:\n{log}")]
-    Compile { arch: String, log: String },
-    /// A configuration or input the device path does not implement.
-    #[error("not supported on the CUDA backend: {0}")]
-    Unsupported(String),
-    /// A kernel refused its input (non-finite values, an fp16 overflow); nothing changed.
-    #[error("{0}")]
-    Rejected(String),
-    #[error(transparent)]
-    Cache(#[from] CacheError),
-}
-
-impl From<cudarc::driver::DriverError> for CudaError {
-    fn from(e: cudarc::driver::DriverError) -> Self {
-        CudaError::Driver(e.to_string())
-    }
-}
-
-pub type CudaResult<T> = std::result::Result<T, CudaError>;
+pub use pool::{DevicePool, ExternalStream};
+pub use sequence::DeviceSequence;
 
 /// What the backend found on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]

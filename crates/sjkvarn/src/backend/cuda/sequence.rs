@@ -8,154 +8,28 @@
 //! stream waits for an event recorded on it before reading the inputs, and it waits for an event
 //! recorded on sjkvarn's stream before it may read the outputs.
 
-use super::kernels::Kernels;
 use super::{CudaError, CudaResult};
-use crate::cache::pool::SlotId;
-use crate::cache::sequence::{memory_report, LayerImage, MemoryReport};
-use crate::cache::staging::RowCodec;
-use crate::cache::{CacheConfig, CacheError, RecordPool, Sequence, Staging, SINK};
-use crate::codec::{Body, RecordLayout, ITERS};
-use crate::journal::{Chunk, LayerState};
-use crate::kernel_abi::{
-    attend_shared_floats, codebook_f32, device_layout, seal_workspace_bytes, tq6_tables,
-    KernelLayerView, KernelRecordLayout, STAGING_TQ6,
-};
+use crate::backend::cpu::sequence::{memory_report, MemoryReport};
+use crate::backend::cuda::pool::{dptr, DevicePool, ExternalStream};
+use crate::backend::SlotId;
+use crate::codec::{Body, RecordLayout};
+use crate::error::CacheError;
+use crate::journal::capability::{self, Backend};
+use crate::journal::LayerState;
+use crate::journal::RowCodec;
+use crate::journal::{CacheConfig, SINK};
+use crate::kernel_abi::{attend_shared_floats, device_layout, STAGING_TQ6};
 use crate::GROUP;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use std::sync::{Arc, Mutex};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
-/// A raw `CUstream` owned by someone else (torch's `current_stream().cuda_stream`); 0 is the
-/// legacy default stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ExternalStream(pub u64);
+mod host;
+mod launch;
+mod layer;
+mod undo;
 
-/// Record slots in one device arena shared by sequences, plus the constant tables.
-pub struct DevicePool {
-    kernels: Arc<Kernels>,
-    stream: Arc<CudaStream>,
-    slots: Arc<RecordPool>,
-    /// Slot-major record bytes. Locked only to take its address or copy into a reserved slot;
-    /// every access is ordered on the pool's single stream.
-    arena: Mutex<CudaSlice<u8>>,
-    /// `tq6_0` tables (`kernel_abi::tq6_tables`) for 128-value blocks and for 64-wide heads.
-    tq_tables: [CudaSlice<f32>; 2],
-    /// Trellis codebooks as f32, index `2 * (bits - 2) + is_v` for 2 and 3 bits.
-    codebooks: Vec<CudaSlice<f32>>,
-    sms: usize,
-}
-
-fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
-    let (p, _sync) = s.device_ptr(stream);
-    p
-}
-
-impl DevicePool {
-    /// A pool on device `ordinal` with `capacity` slots of `slot_bytes`.
-    pub fn new(ordinal: usize, slot_bytes: usize, capacity: usize) -> CudaResult<Arc<Self>> {
-        let kernels = Kernels::get(ordinal)?;
-        let stream = kernels.ctx.new_stream()?;
-        let arena = stream.alloc_zeros::<u8>((slot_bytes * capacity).max(1))?;
-        let tq_tables = [
-            stream.clone_htod(&tq6_tables(128))?,
-            stream.clone_htod(&tq6_tables(64))?,
-        ];
-        let codebooks = [(2, false), (2, true), (3, false), (3, true)]
-            .iter()
-            .map(|&(b, is_v)| Ok(stream.clone_htod(&codebook_f32(b, is_v))?))
-            .collect::<CudaResult<Vec<_>>>()?;
-        let sms = kernels
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )?
-            .max(1) as usize;
-        Ok(Arc::new(Self {
-            slots: RecordPool::new(slot_bytes, capacity),
-            kernels,
-            stream,
-            arena: Mutex::new(arena),
-            tq_tables,
-            codebooks,
-            sms,
-        }))
-    }
-
-    /// A pool sized for `sequences` sequences of `config` at `max_tokens`.
-    pub fn for_config(
-        ordinal: usize,
-        config: &CacheConfig,
-        sequences: usize,
-    ) -> CudaResult<Arc<Self>> {
-        Self::new(
-            ordinal,
-            config.slot_bytes(),
-            config.slots_per_sequence() * sequences.max(1),
-        )
-    }
-
-    pub fn slot_bytes(&self) -> usize {
-        self.slots.slot_bytes()
-    }
-
-    /// Slot allocator statistics (the same counters as the CPU pool).
-    pub fn stats(&self) -> crate::cache::pool::PoolStats {
-        self.slots.stats()
-    }
-
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
-    fn arena(&self) -> std::sync::MutexGuard<'_, CudaSlice<u8>> {
-        self.arena.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn arena_ptr(&self) -> u64 {
-        dptr(&self.arena(), &self.stream)
-    }
-
-    /// Makes the pool's stream wait for work already queued on `ext`.
-    fn after(&self, ext: Option<ExternalStream>) -> CudaResult<()> {
-        if let Some(ExternalStream(raw)) = ext {
-            // SAFETY: the caller hands us a live stream of this device's primary context
-            // (torch's current stream); the wrapper is dropped before this call returns.
-            let other = unsafe { self.kernels.ctx.wrap_borrowed_stream(raw as _) };
-            let ev = other.record_event(None)?;
-            self.stream.wait(&ev)?;
-        }
-        Ok(())
-    }
-
-    /// Makes `ext` wait for everything queued on the pool's stream so far.
-    fn before(&self, ext: Option<ExternalStream>) -> CudaResult<()> {
-        if let Some(ExternalStream(raw)) = ext {
-            // SAFETY: as in `after`.
-            let other = unsafe { self.kernels.ctx.wrap_borrowed_stream(raw as _) };
-            let ev = self.stream.record_event(None)?;
-            other.wait(&ev)?;
-        }
-        Ok(())
-    }
-
-    fn read_status(&self, status: &CudaSlice<i32>) -> CudaResult<i32> {
-        let mut host = [0i32; 1];
-        self.stream.memcpy_dtoh(status, &mut host)?;
-        Ok(host[0])
-    }
-}
-
-struct DeviceLayer {
-    len: usize,
-    sealed: usize,
-    sealed_prev: usize,
-    draining: bool,
-    sink_k: CudaSlice<u16>,
-    sink_v: CudaSlice<u16>,
-    ring: CudaSlice<u8>,
-    blocks: Vec<SlotId>,
-    /// The block table on the device (capacity: every group of `max_tokens`).
-    blocks_dev: CudaSlice<u32>,
-}
+use layer::{cache_blocks, upload_blocks, DeviceLayer};
+use undo::LayerUndo;
 
 /// One sequence with its journal on the device. Dropping it returns its slots to the pool.
 pub struct DeviceSequence {
@@ -210,16 +84,12 @@ fn kernel_error(code: i32, what: &str) -> CudaError {
 }
 
 impl DeviceSequence {
-    /// An empty sequence on the pool's device. The device path implements `tq6_0` staging and
-    /// query groups with a kernel; anything else is refused here, up front.
+    /// An empty sequence on the pool's device. What the device path runs is the capability
+    /// table's `cuda` row (and query groups with a kernel); anything else is refused here, up
+    /// front.
     pub fn new(config: Arc<CacheConfig>, pool: Arc<DevicePool>) -> CudaResult<Self> {
         config.validate()?;
-        if config.sink != SINK {
-            return Err(CudaError::Unsupported(format!(
-                "sink {} (the device kernels keep a {SINK}-position sink)",
-                config.sink
-            )));
-        }
+        capability::check(Backend::Cuda, &config)?;
         let reference_codec = |l: usize| {
             matches!(
                 config.body_codec(l),
@@ -230,29 +100,6 @@ impl DeviceSequence {
             return Err(CudaError::Unsupported(
                 "balancing settings other than the format's (final, std): the device kernels \
                  seal reference records only"
-                    .into(),
-            ));
-        }
-        if config.auto_staging.is_some()
-            || config.k_staging != Staging::Tq6
-            || config.v_staging != Staging::Tq6
-        {
-            return Err(CudaError::Unsupported(format!(
-                "staging {} (the device ring is tq6_0 for keys and values)",
-                config.staging_name()
-            )));
-        }
-        if config.centre_keys {
-            return Err(CudaError::Unsupported(
-                "centred keys (the device kernels store keys as appended; use the reference \
-                 journal, centre_keys=False)"
-                    .into(),
-            ));
-        }
-        if config.exact_recent > 0 {
-            return Err(CudaError::Unsupported(
-                "an exact window (the device kernels read the ring's codes for every position; \
-                 use exact_recent=0)"
                     .into(),
             ));
         }
@@ -380,43 +227,6 @@ impl DeviceSequence {
         })
     }
 
-    /// The kernels' view of `layer`.
-    fn view(&self, layer: usize) -> KernelLayerView {
-        let l = &self.layers[layer];
-        let s = &self.pool.stream;
-        let rec = &self.layouts[layer];
-        let codebook = |bits: u32, is_v: bool| {
-            if rec.body != Body::Trellis {
-                return 0;
-            }
-            self.pool
-                .codebooks
-                .get(2 * (bits as usize).wrapping_sub(2) + is_v as usize)
-                .map_or(0, |c| dptr(c, s))
-        };
-        let d = self.config.head_dim;
-        KernelLayerView {
-            sink_k: dptr(&l.sink_k, s),
-            sink_v: dptr(&l.sink_v, s),
-            ring: dptr(&l.ring, s),
-            pool: self.pool.arena_ptr(),
-            blocks: dptr(&l.blocks_dev, s),
-            tq_table: dptr(&self.pool.tq_tables[(d == 64) as usize], s),
-            k_codebook: codebook(rec.bits_k, false),
-            v_codebook: codebook(rec.bits_v, true),
-            slot_bytes: self.pool.slot_bytes() as u64,
-            len: l.len as i32,
-            sealed: l.sealed as i32,
-            kv_heads: self.config.kv_heads as i32,
-            head_dim: d as i32,
-            ring_rows: self.config.ring_rows() as i32,
-            row_bytes: self.rows.row_bytes() as i32,
-            staging: STAGING_TQ6,
-            pad: 0,
-            rec: KernelRecordLayout::of(rec),
-        }
-    }
-
     /// Appends `n` tokens of post-RoPE K and V from device memory (`[n][kv_heads][head_dim]`
     /// f32, contiguous, model frame), sealing as the journal rule says. On error nothing changes.
     ///
@@ -518,76 +328,6 @@ impl DeviceSequence {
         Ok(())
     }
 
-    /// Step 3 of [`append_raw`](Self::append_raw): runs the plan's seals (taking slots from the
-    /// back of `slots`) and copies staged rows into the ring and the sink.
-    #[allow(clippy::too_many_arguments)]
-    fn execute_append(
-        &mut self,
-        layer: usize,
-        start: usize,
-        plan: &[Chunk],
-        slots: &mut Vec<SlotId>,
-        staged: &CudaSlice<u8>,
-        sink_out: &CudaSlice<u16>,
-        sink_tokens: usize,
-    ) -> CudaResult<()> {
-        let cfg = self.config.clone();
-        let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let rb = self.rows.row_bytes();
-        let pool = self.pool.clone();
-        let s = &pool.stream;
-        let per_tok = h * d;
-        let ring_rows = cfg.ring_rows();
-        let mut written = 0usize;
-        for c in plan {
-            let (take, target) = (c.take, c.state.sealed);
-            let from = self.layers[layer].sealed;
-            if target > from {
-                let at = slots.len() - (target - from);
-                let ids: Vec<SlotId> = slots.split_off(at).into_iter().rev().collect();
-                if let Err(e) = self.seal_groups(layer, from, target, &ids) {
-                    slots.extend(ids.into_iter().rev());
-                    return Err(e);
-                }
-            }
-            let (lo, hi) = (start + written, start + written + take);
-            let l = &mut self.layers[layer];
-            l.sealed_prev = c.state.sealed_prev;
-            l.draining = c.state.draining;
-            // Sink positions.
-            if lo < SINK {
-                let (a, b) = (lo, hi.min(SINK));
-                let src = (a - start) * per_tok..(b - start) * per_tok;
-                let dst = a * per_tok..b * per_tok;
-                s.memcpy_dtod(
-                    &sink_out.slice(src.clone()),
-                    &mut l.sink_k.slice_mut(dst.clone()),
-                )?;
-                let off = sink_tokens * per_tok;
-                s.memcpy_dtod(
-                    &sink_out.slice(src.start + off..src.end + off),
-                    &mut l.sink_v.slice_mut(dst),
-                )?;
-            }
-            // Ring positions, in at most two pieces around the wrap.
-            let mut pos = lo.max(SINK);
-            while pos < hi {
-                let idx = (pos - SINK) % ring_rows;
-                let count = (hi - pos).min(ring_rows - idx);
-                let row_bytes = h * 2 * rb;
-                let src = (pos - SINK.max(start)) * row_bytes;
-                s.memcpy_dtod(
-                    &staged.slice(src..src + count * row_bytes),
-                    &mut l.ring.slice_mut(idx * row_bytes..(idx + count) * row_bytes),
-                )?;
-                pos += count;
-            }
-            l.len = hi;
-            written += take;
-        }
-        Ok(())
-    }
-
     /// [`append_raw`](Self::append_raw) from host slices (tests, benchmarks, the CPU bridge).
     pub fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> CudaResult<()> {
         let per_tok = self.config.kv_heads * self.config.head_dim;
@@ -611,62 +351,6 @@ impl DeviceSequence {
         let r = unsafe { self.append_raw(layer, kp, vp, k.len() / per_tok, None) };
         s.synchronize()?;
         r
-    }
-
-    /// Seals groups `from..to` of `layer` into `slots` (reserved, one per group).
-    fn seal_groups(
-        &mut self,
-        layer: usize,
-        from: usize,
-        to: usize,
-        slots: &[SlotId],
-    ) -> CudaResult<()> {
-        let count = to - from;
-        // The CPU's fault-injection point (one check per record), so the rollback of a seal
-        // that fails part-way through an append can be tested on a GPU too.
-        for _ in 0..count * self.config.kv_heads {
-            crate::cache::faults::check_record()?;
-        }
-        let pool = self.pool.clone();
-        let s = &pool.stream;
-        let view = self.view(layer);
-        let groups: Vec<u32> = (from as u32..to as u32).collect();
-        let ids: Vec<u32> = slots.to_vec();
-        let groups_dev = s.clone_htod(&groups)?;
-        let slots_dev = s.clone_htod(&ids)?;
-        let blocks = count * self.config.kv_heads;
-        let workspace = s.alloc_zeros::<u8>(blocks * seal_workspace_bytes(self.config.head_dim))?;
-        let status = s.alloc_zeros::<i32>(1)?;
-        let iters = ITERS as i32;
-        let arena = pool.arena_ptr();
-        let mut launch = s.launch_builder(&pool.kernels.seal);
-        launch
-            .arg(&view)
-            .arg(&groups_dev)
-            .arg(&slots_dev)
-            .arg(&arena)
-            .arg(&iters)
-            .arg(&workspace)
-            .arg(&status);
-        // SAFETY: argument list matches `sj_seal`; the workspace holds one scratch per
-        // block; slot ids are reserved slots of this arena; the groups' rows are in the ring.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (count as u32, self.config.kv_heads as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }?;
-        let code = pool.read_status(&status)?;
-        if code != 0 {
-            return Err(kernel_error(code, "seal"));
-        }
-        let l = &mut self.layers[layer];
-        let at = l.blocks.len();
-        s.memcpy_htod(slots, &mut l.blocks_dev.slice_mut(at..at + slots.len()))?;
-        l.blocks.extend_from_slice(slots);
-        l.sealed = to;
-        Ok(())
     }
 
     /// The idle step (see the CPU's `Sequence::seal_idle`): seals every layer back to
@@ -812,36 +496,6 @@ impl DeviceSequence {
         Ok(())
     }
 
-    /// [`attend_raw`](Self::attend_raw) from and to host memory.
-    pub fn attend_host(&self, layer: usize, q: &[f32], scale: Option<f32>) -> CudaResult<Vec<f32>> {
-        let per = self.config.q_heads * self.config.head_dim;
-        if q.is_empty() || !q.len().is_multiple_of(per) {
-            return Err(CacheError::Shape {
-                what: "attend q",
-                expected: format!(
-                    "[tokens, {}, {}]",
-                    self.config.q_heads, self.config.head_dim
-                ),
-                got: format!("{} values", q.len()),
-            }
-            .into());
-        }
-        crate::error::check_finite(q).map_err(CacheError::from)?;
-        let s = self.pool.stream.clone();
-        let qd = s.clone_htod(q)?;
-        let out = s.alloc_zeros::<f32>(q.len())?;
-        let (qp, op) = (dptr(&qd, &s), dptr(&out, &s));
-        // SAFETY: qd and out hold n rows and outlive the queued work (copied back below).
-        unsafe { self.attend_raw(layer, qp, q.len() / per, op, scale, None) }?;
-        let out = s.clone_dtoh(&out)?;
-        if out.iter().any(|x| !x.is_finite()) {
-            let d = self.config.head_dim;
-            let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-            return Err(crate::attention::score_overflow(q, d, scale).into());
-        }
-        Ok(out)
-    }
-
     /// Keeps the first `n` tokens of every layer; returns the resume position as the CPU does
     /// (the journal rules decide both).
     pub fn truncate(&mut self, n: usize) -> CudaResult<usize> {
@@ -882,135 +536,5 @@ impl DeviceSequence {
             .map(|l| (1, l.ring.len() + l.blocks.len() * slot))
             .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         memory_report(&self.config, &lens, ring, slots * slot, in_use)
-    }
-
-    /// A CPU sequence with the same bytes (for snapshots, or to compare with the reference).
-    pub fn to_host(&self, pool: Arc<RecordPool>) -> CudaResult<Sequence> {
-        let s = &self.pool.stream;
-        let slot = self.config.slot_bytes();
-        let mut images = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            let mut records = vec![0u8; l.blocks.len() * slot];
-            for (dst, &id) in records.chunks_exact_mut(slot).zip(&l.blocks) {
-                let at = id as usize * self.pool.slot_bytes();
-                s.memcpy_dtoh(&self.pool.arena().slice(at..at + slot), dst)?;
-            }
-            images.push(LayerImage {
-                len: l.len,
-                sealed: l.sealed,
-                sealed_prev: l.sealed_prev,
-                draining: l.draining,
-                sink_k: s.clone_dtoh(&l.sink_k)?,
-                sink_v: s.clone_dtoh(&l.sink_v)?,
-                ring: s.clone_dtoh(&l.ring)?,
-                records,
-            });
-        }
-        Ok(Sequence::from_images(self.config.clone(), pool, &images)?)
-    }
-
-    /// A device sequence with the bytes of a CPU sequence.
-    pub fn from_host(seq: &Sequence, pool: Arc<DevicePool>) -> CudaResult<Self> {
-        let config = Arc::new(seq.config().clone());
-        let mut dev = DeviceSequence::new(config.clone(), pool.clone())?;
-        let slot = config.slot_bytes();
-        let total: usize = (0..config.layers)
-            .map(|i| seq.sealed_groups(i).unwrap_or(0))
-            .sum();
-        let mut ids = pool.slots.reserve(total)?.into_iter();
-        let s = pool.stream.clone();
-        for (i, l) in dev.layers.iter_mut().enumerate() {
-            let img = seq.layer_image(i)?;
-            s.memcpy_htod(&img.sink_k, &mut l.sink_k)?;
-            s.memcpy_htod(&img.sink_v, &mut l.sink_v)?;
-            s.memcpy_htod(&img.ring, &mut l.ring)?;
-            for rec in img.records.chunks_exact(slot) {
-                let id = ids.next().expect("reserved one slot per sealed group");
-                let at = id as usize * pool.slot_bytes();
-                s.memcpy_htod(rec, &mut pool.arena().slice_mut(at..at + slot))?;
-                l.blocks.push(id);
-            }
-            l.len = img.len;
-            l.sealed = img.sealed;
-            l.sealed_prev = img.sealed_prev;
-            l.draining = img.draining;
-            upload_blocks(&s, l)?;
-        }
-        s.synchronize()?;
-        Ok(dev)
-    }
-}
-
-/// What a failed append or seal must put back in one layer: its lengths, its block list and,
-/// where the failed work may have overwritten live rows, a device copy of its ring.
-struct LayerUndo {
-    len: usize,
-    sealed: usize,
-    sealed_prev: usize,
-    draining: bool,
-    blocks: usize,
-    ring: Option<CudaSlice<u8>>,
-}
-
-impl LayerUndo {
-    fn take(l: &DeviceLayer, s: &Arc<CudaStream>, keep_ring: bool) -> CudaResult<Self> {
-        Ok(Self {
-            len: l.len,
-            sealed: l.sealed,
-            sealed_prev: l.sealed_prev,
-            draining: l.draining,
-            blocks: l.blocks.len(),
-            ring: if keep_ring {
-                Some(s.clone_dtod(&l.ring)?)
-            } else {
-                None
-            },
-        })
-    }
-
-    /// Puts the layer back and returns the slots sealed since [`take`](Self::take) to the
-    /// pool. The sink needs nothing: positions past the restored length are never read.
-    fn restore(self, l: &mut DeviceLayer, pool: &DevicePool) -> CudaResult<()> {
-        let added = l.blocks.split_off(self.blocks);
-        pool.slots.release(&added);
-        l.len = self.len;
-        l.sealed = self.sealed;
-        l.sealed_prev = self.sealed_prev;
-        l.draining = self.draining;
-        if let Some(ring) = self.ring {
-            pool.stream.memcpy_dtod(&ring, &mut l.ring)?;
-        }
-        Ok(())
-    }
-}
-
-impl DeviceLayer {
-    fn state(&self) -> LayerState {
-        LayerState {
-            len: self.len,
-            sealed: self.sealed,
-            sealed_prev: self.sealed_prev,
-            draining: self.draining,
-        }
-    }
-}
-
-fn upload_blocks(s: &Arc<CudaStream>, l: &mut DeviceLayer) -> CudaResult<()> {
-    if !l.blocks.is_empty() {
-        let ids: Vec<u32> = l.blocks.clone();
-        s.memcpy_htod(&ids, &mut l.blocks_dev.slice_mut(0..ids.len()))?;
-    }
-    Ok(())
-}
-
-/// `sj_cache_blocks`: sink, sealed groups, ring blocks of up to 128 positions.
-fn cache_blocks(len: usize, sealed: usize) -> usize {
-    if len == 0 {
-        0
-    } else if len <= SINK {
-        1
-    } else {
-        let ring = len - (SINK + GROUP * sealed);
-        1 + sealed + ring.div_ceil(GROUP)
     }
 }
