@@ -16,6 +16,7 @@ use sjkvarn::backend::Sequence;
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -26,6 +26,7 @@ use sjkvarn::error::CacheError;
 use sjkvarn::journal::RingRows;
 use sjkvarn::journal::{CacheConfig, LayerCoding, SINK};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;

@@ -14,6 +14,7 @@ use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::error::CacheResult;
 use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::collections::VecDeque;
 use std::sync::Arc;
 

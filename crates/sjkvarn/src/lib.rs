@@ -21,7 +21,7 @@
 //!
 //! ```
 //! use sjkvarn::rng::SplitMix64;
-//! use sjkvarn::{attend, CacheConfig, LayerCoding, Sequence};
+//! use sjkvarn::{attend, CacheConfig, Journal, LayerCoding, Sequence};
 //! use std::sync::Arc;
 //!
 //! // 2 layers, 4 query heads over 2 KV heads of 128, 4-bit keys and values, up to 4,096 tokens,

@@ -9,6 +9,7 @@ use sjkvarn::codec::rotation::rotate_heads;
 use sjkvarn::error::CacheError;
 use sjkvarn::journal::{CacheConfig, LayerCoding, Staging, SINK};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::sync::Arc;
 
 const D: usize = 64;

@@ -4,6 +4,7 @@
 
 use sjkvarn::backend::cuda::{availability, CudaError, DevicePool, DeviceSequence};
 use sjkvarn::journal::{CacheConfig, LayerCoding};
+use sjkvarn::Journal;
 use std::sync::Arc;
 
 #[test]

@@ -5,6 +5,7 @@ use sjkvarn::attention::attend;
 use sjkvarn::backend::Sequence;
 use sjkvarn::journal::{CacheConfig, LayerCoding, Staging};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::sync::Arc;
 
 const D: usize = 64;

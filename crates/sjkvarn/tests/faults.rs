@@ -7,6 +7,7 @@ use sjkvarn::backend::{RecordPool, Sequence};
 use sjkvarn::error::CacheError;
 use sjkvarn::journal::{CacheConfig, LayerCoding};
 use sjkvarn::rng::SplitMix64;
+use sjkvarn::Journal;
 use std::sync::{Arc, Mutex};
 
 static SERIAL: Mutex<()> = Mutex::new(());

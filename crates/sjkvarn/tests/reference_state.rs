@@ -7,6 +7,7 @@
 use sjkvarn::backend::Sequence;
 use sjkvarn::codec::extension::body::{BodyCoding, TrellisAxis};
 use sjkvarn::journal::{CacheConfig, LayerCoding, SinkType, Staging};
+use sjkvarn::Journal;
 use std::sync::Arc;
 
 const D: usize = 128;

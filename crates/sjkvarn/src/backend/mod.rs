@@ -17,7 +17,7 @@ pub use cpu::{LayerImage, MemoryReport, Sequence};
 pub use pool::{PoolStats, RecordPool, SlotId};
 
 use crate::error::CacheError;
-use crate::journal::CacheConfig;
+use crate::journal::{CacheConfig, LayerState};
 use std::ops::Range;
 
 /// A sequence's journal on some backend: append and attend over host slices, the journal's
@@ -28,12 +28,27 @@ pub trait Journal: Send + Sized {
 
     /// The configuration the sequence was built with.
     fn config(&self) -> &CacheConfig;
+    /// The journal bookkeeping of `layer` (lengths and seals); every accessor below reads it
+    /// through the journal's rules, the same on every backend.
+    fn layer_state(&self, layer: usize) -> Result<LayerState, Self::Error>;
     /// Tokens held by `layer`.
-    fn len(&self, layer: usize) -> Result<usize, Self::Error>;
+    fn len(&self, layer: usize) -> Result<usize, Self::Error> {
+        Ok(self.layer_state(layer)?.len)
+    }
+    /// Sealed groups of `layer`.
+    fn sealed_groups(&self, layer: usize) -> Result<usize, Self::Error> {
+        Ok(self.layer_state(layer)?.sealed)
+    }
     /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
-    fn regions(&self, layer: usize) -> Result<[Range<usize>; 3], Self::Error>;
+    fn regions(&self, layer: usize) -> Result<[Range<usize>; 3], Self::Error> {
+        let state = self.layer_state(layer)?;
+        Ok(self.config().rules().regions(&state))
+    }
     /// Tokens the next append to `layer` runs as one ubatch (a seal only runs at its start).
-    fn chunk_limit(&self, layer: usize) -> Result<usize, Self::Error>;
+    fn chunk_limit(&self, layer: usize) -> Result<usize, Self::Error> {
+        let state = self.layer_state(layer)?;
+        Ok(self.config().rules().chunk_limit(&state))
+    }
     /// Appends model-frame K and V rows (`[tokens][kv_heads][head_dim]`) from host memory.
     fn append_host(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), Self::Error>;
     /// Attention of the newest query rows (`[tokens][q_heads][head_dim]`, host memory).

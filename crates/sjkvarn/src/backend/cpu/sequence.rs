@@ -222,29 +222,6 @@ impl Sequence {
             .collect()
     }
 
-    /// Tokens held by `layer`.
-    pub fn len(&self, layer: usize) -> CacheResult<usize> {
-        Ok(self.layer(layer)?.len)
-    }
-
-    /// Sealed groups of `layer`.
-    pub fn sealed_groups(&self, layer: usize) -> CacheResult<usize> {
-        Ok(self.layer(layer)?.sealed)
-    }
-
-    /// Positions `(sink, body, ring)` of `layer` as half-open ranges.
-    pub fn regions(&self, layer: usize) -> CacheResult<[std::ops::Range<usize>; 3]> {
-        let l = self.layer(layer)?;
-        Ok(self.config.rules().regions(&l.state()))
-    }
-
-    /// How many tokens the next append to `layer` runs as one ubatch (a seal can only run at
-    /// its start).
-    pub fn chunk_limit(&self, layer: usize) -> CacheResult<usize> {
-        let l = self.layer(layer)?;
-        Ok(self.config.rules().chunk_limit(&l.state()))
-    }
-
     /// What `auto` staging picked for `layer` (`None`: fixed staging, or nothing appended yet).
     pub fn staging_pick(&self, layer: usize) -> CacheResult<Option<&StagingPick>> {
         Ok(self.layer(layer)?.pick.as_ref())

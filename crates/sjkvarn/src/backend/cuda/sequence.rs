@@ -172,26 +172,9 @@ impl DeviceSequence {
         })
     }
 
-    /// Tokens held by `layer`.
-    pub fn len(&self, layer: usize) -> CudaResult<usize> {
-        Ok(self.layer(layer)?.len)
-    }
-
-    /// Sealed groups of `layer`.
-    pub fn sealed_groups(&self, layer: usize) -> CudaResult<usize> {
-        Ok(self.layer(layer)?.sealed)
-    }
-
-    /// Positions `(sink, body, ring)` of `layer`.
-    pub fn regions(&self, layer: usize) -> CudaResult<[std::ops::Range<usize>; 3]> {
-        let l = self.layer(layer)?;
-        Ok(self.config.rules().regions(&l.state()))
-    }
-
-    /// Tokens the next append to `layer` can take with no seal inside it.
-    pub fn chunk_limit(&self, layer: usize) -> CudaResult<usize> {
-        let l = self.layer(layer)?;
-        Ok(self.config.rules().chunk_limit(&l.state()))
+    /// The journal bookkeeping of `layer`.
+    pub(crate) fn layer_state(&self, layer: usize) -> CudaResult<LayerState> {
+        Ok(self.layer(layer)?.state())
     }
 
     /// A child sequence sharing this one's sealed records (reference counted) with its own
