@@ -3,6 +3,8 @@
 //! `cuda::DeviceSequence` both follow the journal rules of [`crate::journal`]; this trait is
 //! their shared shell, so code above it is written once and tested against the CPU reference.
 
+pub mod paged;
+
 use crate::cache::pool::PoolStats;
 use crate::cache::{CacheConfig, CacheError, MemoryReport, RecordPool, Sequence};
 use std::ops::Range;
