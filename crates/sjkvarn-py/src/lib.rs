@@ -327,6 +327,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(to_float32, m)?)?;
     m.add_function(wrap_pyfunction!(trellis_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(paged::attend_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_check, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_sizes, m)?)?;
+    m.add_class::<paged::PagedStep>()?;
+    m.add_class::<paged::PagedJournal>()?;
+    m.add_class::<paged::WindowJournal>()?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_inject_seal_failure, m)?)?;
     m.add_class::<cache::CacheSpec>()?;
