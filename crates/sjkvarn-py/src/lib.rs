@@ -329,6 +329,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged::attend_paged, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_check, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_sequences_per_gib, m)?)?;
     m.add_class::<paged::PagedStep>()?;
     m.add_class::<paged::PagedJournal>()?;
     m.add_class::<paged::WindowJournal>()?;

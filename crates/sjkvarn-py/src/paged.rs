@@ -175,6 +175,39 @@ pub(crate) fn paged_sizes(
     ))
 }
 
+/// Sequences of `tokens` per GiB of KV memory (`PagedSettings::sequences_per_gib`).
+#[pyfunction]
+#[pyo3(signature = (k_bits, v_bits, body, sink, lossless, max_sink_blocks, tokens, layers, kv_heads, head_dim, dtype, window_layers, window))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_sequences_per_gib(
+    k_bits: i64,
+    v_bits: i64,
+    body: &str,
+    sink: bool,
+    lossless: bool,
+    max_sink_blocks: i64,
+    tokens: usize,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: &str,
+    window_layers: usize,
+    window: usize,
+) -> PyResult<f64> {
+    let s = settings_of(k_bits, v_bits, body, sink, lossless, max_sink_blocks)?;
+    let dtype = PageDtype::from_name(dtype).map_err(paged_err)?;
+    s.sequences_per_gib(
+        tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        dtype,
+        window_layers,
+        window,
+    )
+    .map_err(paged_err)
+}
+
 /// One engine step's read plan (`sjkvarn.vllm`): built once from the step's metadata and
 /// shared, read only, by every layer of the step.
 #[pyclass(frozen, module = "sjkvarn._core", name = "PagedStep")]

@@ -173,6 +173,53 @@ impl PagedSettings {
         }
         Ok(tokens)
     }
+
+    /// Sequences of `tokens` that fit in one GiB of KV memory, for `layers` layers of which
+    /// `window_layers` attend over the last `window` positions.
+    ///
+    /// Full-attention layers: pages plus, unless lossless, the two exact blocks (sink and open
+    /// block, fp16) each sequence holds beside them. Window layers hold the blocks an engine
+    /// keeps for a decoding sequence (`ceil(window / block) + 1`): exact pages of
+    /// [`window_block_tokens`](Self::window_block_tokens) rows, or plain pages when lossless.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sequences_per_gib(
+        &self,
+        tokens: usize,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: PageDtype,
+        window_layers: usize,
+        window: usize,
+    ) -> PagedResult<f64> {
+        let Some(full) = layers.checked_sub(window_layers) else {
+            return invalid(format!(
+                "{window_layers} window layers of only {layers} layers"
+            ));
+        };
+        let blocks = tokens.div_ceil(BLOCK);
+        let page = kv_heads * self.state_bytes(head_dim, dtype)?;
+        let side = if self.lossless {
+            0
+        } else {
+            2 * full * 2 * BLOCK * kv_heads * head_dim * 2
+        };
+        let per_window = if self.lossless {
+            BLOCK
+        } else {
+            self.window_block_tokens(head_dim)?
+        };
+        let kept = if window_layers > 0 {
+            window.min(tokens).div_ceil(per_window) + 1
+        } else {
+            0
+        };
+        let bytes = full * blocks * page + side + window_layers * kept * page;
+        if bytes == 0 {
+            return invalid("no layers or no tokens: nothing to size");
+        }
+        Ok((1u64 << 30) as f64 / bytes as f64)
+    }
 }
 
 /// Bytes of one token's exact K and V rows (fp16) for one KV head in a window page.
