@@ -86,3 +86,41 @@ def test_bad_slots_and_unwritten_blocks_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="key/value"):
         journal.write(pages, k[:, :1], v[:, :1], torch.arange(4))
     assert not pages.any() and not journal._open
+
+
+def test_overlapping_calls_are_refused_never_interleaved() -> None:
+    """Threads sharing one layer's journal: a call that finds another running is refused with
+    InvalidInputError and changes nothing, so retrying each refused call ends with the pages of
+    a serial run."""
+    import threading
+
+    settings = PagedSettings()
+    n = 4 * BLOCK
+    k, v, _ = rows(2 * n, 17)
+    shared = PagedJournal(settings, KVH, D, torch.float32)
+    pages = pages_for(settings, 8)
+    refused = []
+
+    def feed(first: int) -> None:
+        for c in range(0, n, 64):
+            slots = torch.arange(c, c + 64) + first * BLOCK
+            rows_k, rows_v = k[first * BLOCK + c :][:64], v[first * BLOCK + c :][:64]
+            while True:
+                try:
+                    shared.write(pages, rows_k, rows_v, slots)
+                    break
+                except InvalidInputError as e:
+                    assert "in use" in str(e)
+                    refused.append(e)
+
+    threads = [threading.Thread(target=feed, args=(first,)) for first in (0, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    serial = PagedJournal(settings, KVH, D, torch.float32)
+    want = pages_for(settings, 8)
+    serial.write(want, k, v, torch.arange(2 * n))
+    assert torch.equal(pages.view(torch.uint8), want.view(torch.uint8))
+    assert want.view(torch.uint8).any(), "every block was sealed"
+    assert shared._open == serial._open == list(range(8))
