@@ -361,6 +361,24 @@ fn settings_are_checked_with_named_values() {
     let s = PagedSettings::default();
     assert_eq!(s.state_bytes(64, PageDtype::F32).unwrap(), 9344);
     assert_eq!(s.window_block_tokens(64).unwrap(), 32);
+    // SmolLM2's geometry at 8k tokens: bf16 pages against records plus the two exact blocks.
+    let lossless = PagedSettings::new(4, 4, "scalar", true, true, 256).unwrap();
+    let plain = lossless.sequences_per_gib(8192, 30, 3, 64, PageDtype::Bf16, 0, 0);
+    assert_eq!(
+        plain.unwrap(),
+        (1u64 << 30) as f64 / (64 * 30 * 3 * 128 * 2 * 64 * 2) as f64
+    );
+    let coded = s
+        .sequences_per_gib(8192, 30, 3, 64, PageDtype::Bf16, 0, 0)
+        .unwrap();
+    let side = 2 * 30 * 2 * 128 * 3 * 64 * 2;
+    assert_eq!(
+        coded,
+        (1u64 << 30) as f64 / (30 * 64 * 3 * 9344 + side) as f64
+    );
+    assert!(s
+        .sequences_per_gib(8192, 3, 3, 64, PageDtype::Bf16, 4, 512)
+        .is_err());
 }
 
 #[test]

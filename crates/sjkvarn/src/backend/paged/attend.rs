@@ -48,7 +48,7 @@ impl PagedJournal {
         Ok(())
     }
 
-    /// The exact rows of a query block's own block, which it must have been written.
+    /// The exact rows of a query block's own block, which must have been written.
     fn own_rows(&self, block: usize, qb: usize) -> PagedResult<&Rows> {
         match self.exact(block) {
             Some(rows) => Ok(rows),

@@ -214,7 +214,7 @@ impl PagedJournal {
             if last == BLOCK - 1 && !sealed {
                 let mut full = match &start {
                     Start::Open => self.open[&block].clone(),
-                    _ => vec![f16::ZERO; 2 * self.row_values()].into_boxed_slice(),
+                    _ => self.fresh(),
                 };
                 self.place(&mut full, rows, key, value);
                 seals.push((block, self.seal(&full)?));
@@ -228,9 +228,10 @@ impl PagedJournal {
                     self.sinks.remove(block);
                     self.sealed.remove(&block);
                     self.recorded.remove(&block);
-                    vec![f16::ZERO; 2 * self.row_values()].into_boxed_slice()
+                    self.fresh()
                 }
-                Start::Open => self.open.remove(&block).unwrap_or_default(),
+                // Chosen above only for blocks held open.
+                Start::Open => self.open.remove(&block).unwrap_or_else(|| self.fresh()),
                 Start::Reopened(rows) => {
                     self.sealed.insert(block);
                     rows
@@ -246,6 +247,11 @@ impl PagedJournal {
             self.recorded.insert(block);
         }
         Ok(())
+    }
+
+    /// Zeroed exact rows for one block.
+    fn fresh(&self) -> Rows {
+        vec![f16::ZERO; 2 * self.row_values()].into_boxed_slice()
     }
 
     /// Writes the rows of `tokens` (`(offset, token)`) into a block's exact rows.
@@ -349,7 +355,7 @@ impl PagedJournal {
         let (k, v) = self.decoded(bytes, block)?;
         let (d, kvh) = (self.head_dim, self.kv_heads);
         let half = self.row_values();
-        let mut rows = vec![f16::ZERO; 2 * half].into_boxed_slice();
+        let mut rows = self.fresh();
         for h in 0..kvh {
             for t in 0..BLOCK {
                 let src = (h * BLOCK + t) * d;
