@@ -90,6 +90,35 @@ def test_plugin_is_found_through_the_entry_point() -> None:
     assert AttentionBackendEnum.CPU_ATTN.get_path() == path
 
 
+def test_one_step_plan_serves_every_layer(folder, prompts, monkeypatch) -> None:
+    """The backend builds one read plan per engine step (and KV-cache group), on the first
+    layer that attends, and every layer of the step reads that same plan."""
+    from sjkvarn.vllm import backend, paged
+
+    built, reads = [], []
+    make, attend = backend.make_step, paged.PagedJournal.attend
+
+    def counted_make(*args):
+        built.append(make(*args))
+        return built[-1]
+
+    def counted_attend(self, *args, step=None):
+        reads.append(step)
+        return attend(self, *args, step=step)
+
+    monkeypatch.setattr(backend, "make_step", counted_make)
+    monkeypatch.setattr(paged.PagedJournal, "attend", counted_attend)
+    llm = engine(folder, {})
+    try:
+        assert all(len(t) == GREEDY.max_tokens for t in tokens(llm, prompts[:2]))
+        layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    finally:
+        shutdown(llm)
+    assert len(built) >= GREEDY.max_tokens
+    assert len(reads) == layers * len(built)
+    assert {id(s) for s in reads} == {id(s) for s in built}
+
+
 def test_lossless_pages_match_vllms_cache_and_coded_pages_hold_more(folder, prompts) -> None:
     base = engine(folder, None)
     want = tokens(base, prompts)

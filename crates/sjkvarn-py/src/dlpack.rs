@@ -353,3 +353,103 @@ pub fn cuda_f32<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<CudaF32<'p
     }
     Ok(CudaF32 { view })
 }
+
+/// An integer CPU tensor (block tables, slot mappings) copied to i64.
+pub struct HostInts {
+    pub values: Vec<i64>,
+    pub shape: Vec<usize>,
+}
+
+/// Reads a CPU int32 or int64 tensor of any layout as row-major i64.
+pub fn read_i64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<HostInts> {
+    let view = View::of(obj, what)?;
+    let dt = view.dtype;
+    let convert: fn(*const u8) -> i64 = match (dt.code, dt.bits, dt.lanes) {
+        // SAFETY (both): `p` points at one element of the stated type inside the tensor;
+        // unaligned reads because DLPack does not promise alignment after byte_offset.
+        (DL_INT, 64, 1) => |p| unsafe { (p as *const i64).read_unaligned() },
+        (DL_INT, 32, 1) => |p| i64::from(unsafe { (p as *const i32).read_unaligned() }),
+        _ => {
+            return Err(unsupported_type(format!(
+                "{what}: dtype {} is not supported; use int32 or int64",
+                dtype_name(dt)
+            )))
+        }
+    };
+    let size = dt.bits as isize / 8;
+    let values = view
+        .offsets()
+        .into_iter()
+        // SAFETY: offsets follow the producer's own shape and strides.
+        .map(|o| convert(unsafe { view.data.offset(o * size) }))
+        .collect();
+    Ok(HostInts {
+        values,
+        shape: view.shape.clone(),
+    })
+}
+
+/// Where the pages of a page tensor lie in its memory: `count` pages (the first dimension),
+/// one every `stride` bytes, each compact; `shape_bytes` is the shape with the last dimension
+/// counted in bytes.
+pub struct PageSpan {
+    pub count: usize,
+    pub stride: usize,
+    pub shape_bytes: Vec<usize>,
+}
+
+/// Runs `work` on the bytes of a CPU page tensor of any dtype, which it may write (seals), in
+/// place. Every dimension but the first must be compact; the first may be padded (engines pad
+/// window pages to a larger page).
+pub fn with_pages_mut<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    work: impl FnOnce(&mut [u8], PageSpan) -> PyResult<T>,
+) -> PyResult<T> {
+    let view = View::of(obj, what)?;
+    let elem = usize::from(view.dtype.bits).div_ceil(8) * usize::from(view.dtype.lanes);
+    let Some((&count, inner)) = view.shape.split_first() else {
+        return Err(invalid(format!(
+            "{what}: expected [pages, ...], got a scalar"
+        )));
+    };
+    let page: usize = inner.iter().product();
+    let compact_inner = inner
+        .iter()
+        .zip(view.strides[1..].iter().zip(compact_strides(inner)))
+        .all(|(&n, (&s, c))| n <= 1 || s == c);
+    let stride0 = if count <= 1 {
+        page
+    } else {
+        view.strides[0].max(0) as usize
+    };
+    if !compact_inner || (count > 1 && stride0 < page) {
+        return Err(invalid(format!(
+            "{what}: each page must be C-contiguous and pages must not overlap (strides {:?})",
+            view.strides
+        )));
+    }
+    let mut shape_bytes = view.shape.clone();
+    if let Some(last) = shape_bytes.last_mut() {
+        *last *= elem;
+    }
+    let span = PageSpan {
+        count,
+        stride: stride0 * elem,
+        shape_bytes,
+    };
+    let bytes = if count == 0 || page == 0 {
+        0
+    } else {
+        ((count - 1) * stride0 + page) * elem
+    };
+    let data: &mut [u8] = if bytes == 0 {
+        &mut []
+    } else {
+        // SAFETY: the tensor's pages lie within `bytes` bytes from its start (checked
+        // strides), storage owned by the producer and kept alive by the capsule in `view` for
+        // the duration of `work`; the caller hands the pages over to be written.
+        unsafe { std::slice::from_raw_parts_mut(view.data, bytes) }
+    };
+    work(data, span)
+}

@@ -174,3 +174,12 @@ pub(crate) fn cuda_err(e: sjkvarn::backend::cuda::CudaError) -> PyErr {
         }
     }
 }
+
+/// The paged journal's errors: bad input by kind, cache and codec errors as everywhere.
+pub(crate) fn paged_err(e: sjkvarn::backend::paged::PagedError) -> PyErr {
+    match e {
+        sjkvarn::backend::paged::PagedError::Invalid(m) => invalid(m),
+        sjkvarn::backend::paged::PagedError::Cache(e) => cache(e),
+        sjkvarn::backend::paged::PagedError::Codec(e) => codec(e),
+    }
+}

@@ -29,6 +29,7 @@ from sjkvarn.vllm.paged import (
     PagedJournal,
     PagedSettings,
     WindowJournal,
+    make_step,
     page_state_bytes,
     window_block_tokens,
     window_row_bytes,
@@ -285,19 +286,37 @@ class SjkvarnAttentionImpl(CPUAttentionBackendImpl):
         if output_scale is not None or output_block_scale is not None:
             raise InvalidInputError("sjkvarn's vLLM backend has no fused output quantization")
         n = attn_metadata.num_actual_tokens
-        reqs = attn_metadata.seq_lens.shape[0]
-        starts = attn_metadata.query_start_loc[: reqs + 1].tolist()
-        lens = attn_metadata.seq_lens.tolist()
-        table = attn_metadata.block_table[:reqs]
+        step = step_for(attn_metadata, self.journal.step_block_size(kv_cache))
         result = self.journal.attend(
             kv_cache,
             query[:n].view(n, self.num_heads, self.head_size),
-            starts,
-            lens,
-            table,
+            None,
+            None,
+            None,
             self.scale,
+            step=step,
         )
         output[:n].view(n, self.num_heads, self.head_size).copy_(result)
-        first = {int(b) for b, length in zip(table[:, 0].tolist(), lens, strict=True) if length > 0}
-        self.journal.forget(first)
+        self.journal.forget(step.live_sinks)
         return output
+
+
+def step_for(attn_metadata: Any, block_size: int) -> Any:
+    """The read plan of ``attn_metadata``'s engine step for pages of ``block_size`` tokens:
+    built by the first layer that asks, kept on the metadata object (vLLM builds a new one each
+    step, per KV-cache group) and shared by every later layer of the step."""
+    steps = getattr(attn_metadata, "_sjkvarn_steps", None)
+    if steps is None:
+        steps = {}
+        attn_metadata._sjkvarn_steps = steps
+    step = steps.get(block_size)
+    if step is None:
+        reqs = attn_metadata.seq_lens.shape[0]
+        step = make_step(
+            attn_metadata.query_start_loc[: reqs + 1],
+            attn_metadata.seq_lens,
+            attn_metadata.block_table[:reqs],
+            block_size,
+        )
+        steps[block_size] = step
+    return step

@@ -11,6 +11,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod paged;
 pub mod pool;
 
 pub use cpu::{LayerImage, MemoryReport, Sequence};
