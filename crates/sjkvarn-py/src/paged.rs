@@ -1,7 +1,9 @@
 //! The engine-paged journal (`sjkvarn.vllm`): attention over an engine's page tensor, and the
 //! crate's per-layer journals and per-step plan (`sjkvarn::backend::paged`) as Python classes.
 
-use crate::dlpack::{read_f32, read_i64, with_bytes, with_f32_out, with_pages_mut, PageSpan};
+use crate::dlpack::{
+    read_f32, read_i64, with_bytes, with_f32_out, with_pages_mut, HostArray, HostInts, PageSpan,
+};
 use crate::errors::{self, invalid, paged_err};
 use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
@@ -118,6 +120,26 @@ pub(crate) fn attend_paged(
             Ok(())
         })
     })
+}
+
+/// A step's new rows and their slots, checked: `key`/`value` `[slots, kv_heads, head_dim]`.
+fn step_rows(
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    slots: &Bound<'_, PyAny>,
+    kv_heads: usize,
+    head_dim: usize,
+) -> PyResult<(HostArray, HostArray, HostInts)> {
+    let (k, v) = (read_f32(key, "key")?, read_f32(value, "value")?);
+    let slots = read_i64(slots, "slots")?;
+    let want = [slots.values.len(), kv_heads, head_dim];
+    if k.shape != want || v.shape != want {
+        return Err(invalid(format!(
+            "key/value: expected {want:?} each, got {:?} and {:?}",
+            k.shape, v.shape
+        )));
+    }
+    Ok((k, v, slots))
 }
 
 /// Settings from the plugin's values, checked by the crate (the plugin's messages).
@@ -380,15 +402,7 @@ impl PagedJournal {
         value: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_f32(key, "key")?, read_f32(value, "value")?);
-        let slots = read_i64(slots, "slots")?;
-        let want = [slots.values.len(), self.kv_heads, self.head_dim];
-        if k.shape != want || v.shape != want {
-            return Err(invalid(format!(
-                "key/value: expected {want:?} each, got {:?} and {:?}",
-                k.shape, v.shape
-            )));
-        }
+        let (k, v, slots) = step_rows(key, value, slots, self.kv_heads, self.head_dim)?;
         let mut journal = self.lock()?;
         let journal = &mut *journal;
         with_pages_mut(pages, "pages", |bytes, span| {
@@ -509,15 +523,7 @@ impl WindowJournal {
         value: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (k, v) = (read_f32(key, "key")?, read_f32(value, "value")?);
-        let slots = read_i64(slots, "slots")?;
-        let want = [slots.values.len(), self.kv_heads, self.head_dim];
-        if k.shape != want || v.shape != want {
-            return Err(invalid(format!(
-                "key/value: expected {want:?} each, got {:?} and {:?}",
-                k.shape, v.shape
-            )));
-        }
+        let (k, v, slots) = step_rows(key, value, slots, self.kv_heads, self.head_dim)?;
         if k.values.iter().chain(&v.values).any(|x| !x.is_finite()) {
             return Err(invalid("key/value rows hold NaN or Inf"));
         }
