@@ -91,7 +91,7 @@ pub(crate) fn fold_chunk_body(
         .map(|p| p..(p + PAIRS).min(job.pairs));
 
     // Sink (rotated fp16), in blocks of at most 128 positions.
-    let sink_rows = lj.len.min(job.sink);
+    let sink_rows = lj.state.len.min(job.sink);
     let mut first = 0;
     while first < sink_rows {
         let rows = (sink_rows - first).min(GROUP);
@@ -156,26 +156,26 @@ pub(crate) fn fold_chunk_body(
         lj.rows.k.staging == Staging::Tq6,
         matches!(lj.rows.v.staging, Staging::Tq6 | Staging::Q8_0),
     );
-    if coded_keys && lj.ring_start(job.sink).max(span.start) < lj.len.min(span.end) {
+    if coded_keys && lj.ring_start(job.sink).max(span.start) < lj.state.len.min(span.end) {
         // Every query pair in fixed point, once per chunk.
         sc.ring_queries.prepare(ctx.rotated, d, job.pairs, d);
     }
     let ring_row = |pos: usize, value: bool, out: &mut [f32]| {
-        if pos + RING_AHEAD < lj.len && !value {
+        if pos + RING_AHEAD < lj.state.len && !value {
             ring.prefetch(pos + RING_AHEAD);
         }
         ring.row(pos, value, out);
     };
     let mut entries: [&[u8]; GROUP + RING_AHEAD] = [&[]; GROUP + RING_AHEAD];
     let mut first = lj.ring_start(job.sink);
-    while first < lj.len {
-        let rows = (lj.len - first).min(GROUP);
+    while first < lj.state.len {
+        let rows = (lj.state.len - first).min(GROUP);
         if !span.contains(&first) {
             first += rows;
             continue;
         }
         let coded = if coded_keys || coded_values {
-            let ahead = (lj.len - first).min(GROUP + RING_AHEAD);
+            let ahead = (lj.state.len - first).min(GROUP + RING_AHEAD);
             for (t, e) in entries[..ahead].iter_mut().enumerate() {
                 *e = ring.entry_bytes(first + t);
             }
@@ -286,10 +286,10 @@ pub(crate) fn attend_at(
         });
     }
     let n = q.len() / (qh * d);
-    if n > lj.len {
+    if n > lj.state.len {
         return Err(CacheError::Position {
             position: n,
-            len: lj.len,
+            len: lj.state.len,
         });
     }
     check_finite(q)?;
@@ -304,7 +304,7 @@ pub(crate) fn attend_at(
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
     let gs = cfg.group_size();
     let by_head = rotated_by_head(q, qh, kvh, d, scale)?;
-    let base = lj.len - n;
+    let base = lj.state.len - n;
     let codec = cfg.body_codec(layer)?;
     let r = codec.half_width();
 
@@ -323,7 +323,7 @@ pub(crate) fn attend_at(
     // are merged in chunk order, so every query row's result is the same however the work is
     // scheduled. Small calls (decode) run every item in parallel and merge afterwards; large
     // ones (prefill, whose states are large) run one task per head over its chunks in order.
-    let threads = thread_limit(n * lj.len * qh * d, threads);
+    let threads = thread_limit(n * lj.state.len * qh * d, threads);
     if n >= prefill::MIN_ROWS && cfg.exact_recent == 0 {
         let out = prefill::Prefill {
             job: &job,
@@ -341,7 +341,7 @@ pub(crate) fn attend_at(
         }
         return Ok(out);
     }
-    let chunks = lj.len.div_ceil(CHUNK);
+    let chunks = lj.state.len.div_ceil(CHUNK);
     let head_len = n * gs * d;
     let ctx_of = |h: usize| Queries {
         rotated: &by_head[h * head_len..(h + 1) * head_len],

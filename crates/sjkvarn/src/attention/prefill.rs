@@ -285,7 +285,7 @@ impl Prefill<'_> {
         let end = first + count;
         let mut pos = first;
         // Sink.
-        let sink_end = lj.len.min(job.sink);
+        let sink_end = lj.state.len.min(job.sink);
         while pos < end.min(sink_end) {
             let at = (pos * kvh + h) * d;
             let t = (pos - first) * d;

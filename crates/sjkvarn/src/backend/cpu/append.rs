@@ -54,16 +54,16 @@ impl Sequence {
             });
         }
         let n = k.len() / per_tok;
-        if l.len + n > cfg.max_tokens {
+        if l.state.len + n > cfg.max_tokens {
             return Err(CacheError::TooLong {
-                len: l.len,
+                len: l.state.len,
                 adding: n,
                 max: cfg.max_tokens,
             });
         }
         check_finite(k)?;
         check_finite(v)?;
-        let start = l.len;
+        let start = l.state.len;
 
         // 1. Rotate and stage every row first (the only codec step that can reject the input).
         // Rows already in the Hadamard frame are used in place; others are rotated in a copy.
@@ -162,14 +162,14 @@ impl Sequence {
 
         // 2. Plan the ubatches and seals; reserve every slot they need up front.
         let plan = cfg.rules().plan_append(l.state(), n);
-        let sealed = plan.last().map_or(l.sealed, |c| c.state.sealed);
-        let needed = sealed - l.sealed;
+        let sealed = plan.last().map_or(l.state.sealed, |c| c.state.sealed);
+        let needed = sealed - l.state.sealed;
         let mut slots = self.pool.reserve(needed)?.into_iter();
 
         // 3. Encode every record the plan seals before changing anything. A seal may need rows
         //    of this append (staged above, not yet in the ring), read from `staged`.
         let mut sealed_records = Vec::with_capacity(plan.len());
-        let mut from = l.sealed;
+        let mut from = l.state.sealed;
         for c in &plan {
             let staged_rows = Some(StagedRows {
                 bytes: &staged,
@@ -192,7 +192,7 @@ impl Sequence {
         }
         let mut written = 0usize;
         for (c, records) in plan.into_iter().zip(sealed_records) {
-            let from = self.layers[layer].sealed;
+            let from = self.layers[layer].state.sealed;
             if c.state.sealed > from {
                 let ids: Vec<SlotId> = slots.by_ref().take(c.state.sealed - from).collect();
                 self.commit_groups(layer, c.state.sealed, records, &ids);
@@ -217,7 +217,7 @@ impl Sequence {
                         }
                     }
                 }
-                self.layers[layer].len = pos + 1;
+                self.layers[layer].state.len = pos + 1;
             }
             written += c.take;
         }
@@ -293,7 +293,7 @@ impl Sequence {
         }
         let lj = &mut self.layers[layer];
         lj.blocks.extend_from_slice(slots);
-        lj.sealed = to;
+        lj.state.sealed = to;
     }
 
     /// The idle step: seals every layer back to `min_tail` unsealed tokens (between requests)

@@ -7,6 +7,7 @@ use crate::backend::pool::RecordPool;
 use crate::codec::extension::body::GROUP;
 use crate::error::{CacheError, CacheResult};
 use crate::journal::CacheConfig;
+use crate::journal::LayerState;
 use half::f16;
 use std::sync::Arc;
 
@@ -28,6 +29,18 @@ pub struct LayerImage {
     pub records: Vec<u8>,
 }
 
+impl LayerImage {
+    /// The image's journal state.
+    pub fn state(&self) -> LayerState {
+        LayerState {
+            len: self.len,
+            sealed: self.sealed,
+            sealed_prev: self.sealed_prev,
+            draining: self.draining,
+        }
+    }
+}
+
 impl Sequence {
     /// The bytes of `layer` (see [`LayerImage`]).
     pub fn layer_image(&self, layer: usize) -> CacheResult<LayerImage> {
@@ -39,10 +52,10 @@ impl Sequence {
             dst[..bytes.len()].copy_from_slice(&bytes);
         }
         Ok(LayerImage {
-            len: l.len,
-            sealed: l.sealed,
-            sealed_prev: l.sealed_prev,
-            draining: l.draining,
+            len: l.state.len,
+            sealed: l.state.sealed,
+            sealed_prev: l.state.sealed_prev,
+            draining: l.state.draining,
             sink_k: l.sink_k.iter().map(|h| h.to_bits()).collect(),
             sink_v: l.sink_v.iter().map(|h| h.to_bits()).collect(),
             ring: l.ring.clone(),
@@ -90,10 +103,7 @@ impl Sequence {
         for (i, img) in images.iter().enumerate() {
             let rb = config.kv_heads * config.record_bytes(i);
             let l = &mut seq.layers[i];
-            l.len = img.len;
-            l.sealed = img.sealed;
-            l.sealed_prev = img.sealed_prev;
-            l.draining = img.draining;
+            l.state = img.state();
             l.sink_k = img.sink_k.iter().map(|&b| f16::from_bits(b)).collect();
             l.sink_v = img.sink_v.iter().map(|&b| f16::from_bits(b)).collect();
             l.ring.copy_from_slice(&img.ring);

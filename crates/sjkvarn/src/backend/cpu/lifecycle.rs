@@ -16,16 +16,16 @@ impl Sequence {
         let mut reprocess = usize::MAX;
         for l in self.layers.iter_mut() {
             let (st, resume) = rules.truncate(l.state(), n);
-            if st.sealed < l.sealed {
+            if st.sealed < l.state.sealed {
                 let dropped: Vec<SlotId> = l.blocks.split_off(st.sealed);
                 self.pool.release(&dropped);
             }
             l.set_state(st);
-            if l.len < self.config.sink {
+            if l.state.len < self.config.sink {
                 l.centring = None;
             }
             let per_pos = self.config.kv_heads * self.config.head_dim;
-            l.window.truncate(l.len, self.config.sink, per_pos);
+            l.window.truncate(l.state.len, self.config.sink, per_pos);
             reprocess = reprocess.min(resume);
         }
         Ok(reprocess)

@@ -26,14 +26,9 @@ use std::sync::Arc;
 /// One layer's journal.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerJournal {
-    /// Tokens appended.
-    pub(crate) len: usize,
-    /// Sealed groups (each is one slot in `blocks`).
-    pub(crate) sealed: usize,
-    /// Sealed groups before the last journal step, and whether a chunked flush is unfinished
-    /// (journal state the `SJKVSEQ` stream carries).
-    pub(crate) sealed_prev: usize,
-    pub(crate) draining: bool,
+    /// Tokens appended, sealed groups (each one slot in `blocks`), and the journal state the
+    /// `SJKVSEQ` stream carries.
+    pub(crate) state: LayerState,
     /// `[sink][kv_heads][D]`, rotated frame.
     pub(crate) sink_k: Vec<f16>,
     pub(crate) sink_v: Vec<f16>,
@@ -57,16 +52,11 @@ pub(crate) struct LayerJournal {
 impl LayerJournal {
     /// First position held by the ring of a cache whose sink is `sink` positions.
     pub(crate) fn ring_start(&self, sink: usize) -> usize {
-        sink + GROUP * self.sealed
+        sink + GROUP * self.state.sealed
     }
 
     pub(crate) fn state(&self) -> LayerState {
-        LayerState {
-            len: self.len,
-            sealed: self.sealed,
-            sealed_prev: self.sealed_prev,
-            draining: self.draining,
-        }
+        self.state
     }
 
     /// The sink keys attention scores: centred once the offset is known, else as appended.
@@ -81,7 +71,7 @@ impl LayerJournal {
     /// while the sink is complete, cleared below it (a later append refills the sink and fixes
     /// a new offset before any key after the sink is stored).
     pub(crate) fn refresh_centring(&mut self, cfg: &CacheConfig) -> CacheResult<()> {
-        self.centring = if cfg.centre_keys && self.len >= cfg.sink {
+        self.centring = if cfg.centre_keys && self.state.len >= cfg.sink {
             Some(Centring::of_sink(
                 &self.sink_k,
                 cfg.sink,
@@ -96,10 +86,7 @@ impl LayerJournal {
 
     /// Takes over `st`'s counters (the block table is the caller's business).
     pub(crate) fn set_state(&mut self, st: LayerState) {
-        self.len = st.len;
-        self.sealed = st.sealed;
-        self.sealed_prev = st.sealed_prev;
-        self.draining = st.draining;
+        self.state = st;
     }
 }
 
@@ -170,10 +157,7 @@ impl Sequence {
             })?;
         for _ in 0..config.layers {
             layers.push(LayerJournal {
-                len: 0,
-                sealed: 0,
-                sealed_prev: 0,
-                draining: false,
+                state: LayerState::default(),
                 sink_k: zeroed(config.sink * per_pos, f16::ZERO, "fp16 sink")?,
                 sink_v: zeroed(config.sink * per_pos, f16::ZERO, "fp16 sink")?,
                 ring: zeroed_bytes(ring, "staging ring")?,
@@ -232,7 +216,7 @@ impl Sequence {
         let lens: Vec<(usize, usize, f64)> = self
             .layers
             .iter()
-            .map(|l| (l.len, l.sealed, l.rows.bits_per_value()))
+            .map(|l| (l.state.len, l.state.sealed, l.rows.bits_per_value()))
             .collect();
         let window_bytes = self.config.window_bytes();
         let ring_bytes = self
@@ -255,7 +239,7 @@ impl Sequence {
             .layers
             .iter()
             .enumerate()
-            .filter(|(_, l)| l.len > 0)
+            .filter(|(_, l)| l.state.len > 0)
             .map(|(i, l)| (1, l.ring.len() + window_bytes + record_bytes(i, l)));
         memory_report(
             &self.config,

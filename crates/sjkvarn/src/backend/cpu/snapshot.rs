@@ -282,7 +282,7 @@ impl Sequence {
         let mut windows = Vec::with_capacity(layers.len());
         for &l in layers {
             let (first, rows) = (r.u64()?, r.u64()?);
-            let end = self.layers[l].len.max(sink);
+            let end = self.layers[l].state.len.max(sink);
             if first < sink || first > end || rows != end - first {
                 return Err(bad("positions do not match the stream"));
             }

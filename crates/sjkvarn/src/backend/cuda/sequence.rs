@@ -133,10 +133,7 @@ impl DeviceSequence {
         let layers = (0..config.layers)
             .map(|_| {
                 Ok(DeviceLayer {
-                    len: 0,
-                    sealed: 0,
-                    sealed_prev: 0,
-                    draining: false,
+                    state: LayerState::default(),
                     sink_k: s.alloc_zeros::<u16>(SINK * per_pos)?,
                     sink_v: s.alloc_zeros::<u16>(SINK * per_pos)?,
                     ring: s.alloc_zeros::<u8>(ring_bytes)?,
@@ -186,10 +183,7 @@ impl DeviceSequence {
             .iter()
             .map(|l| {
                 Ok(DeviceLayer {
-                    len: l.len,
-                    sealed: l.sealed,
-                    sealed_prev: l.sealed_prev,
-                    draining: l.draining,
+                    state: l.state,
                     sink_k: s.clone_dtod(&l.sink_k)?,
                     sink_v: s.clone_dtod(&l.sink_v)?,
                     ring: s.clone_dtod(&l.ring)?,
@@ -226,8 +220,8 @@ impl DeviceSequence {
     ) -> CudaResult<()> {
         let cfg = self.config.clone();
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let start = self.layer(layer)?.len;
-        let sealed0 = self.layers[layer].sealed;
+        let start = self.layer(layer)?.state.len;
+        let sealed0 = self.layers[layer].state.sealed;
         if n == 0 {
             return Ok(());
         }
@@ -350,8 +344,8 @@ impl DeviceSequence {
             .iter()
             .zip(&states)
             .enumerate()
-            .filter(|(_, (l, st))| st.sealed > l.sealed)
-            .map(|(i, (l, st))| (i, l.sealed, st.sealed))
+            .filter(|(_, (l, st))| st.sealed > l.state.sealed)
+            .map(|(i, (l, st))| (i, l.state.sealed, st.sealed))
             .collect();
         let pool = self.pool.clone();
         let mut slots = pool
@@ -380,8 +374,8 @@ impl DeviceSequence {
             }
         }
         for (l, st) in self.layers.iter_mut().zip(states) {
-            l.sealed_prev = st.sealed_prev;
-            l.draining = st.draining;
+            l.state.sealed_prev = st.sealed_prev;
+            l.state.draining = st.draining;
         }
         Ok(())
     }
@@ -403,10 +397,10 @@ impl DeviceSequence {
     ) -> CudaResult<()> {
         let cfg = &self.config;
         let l = self.layer(layer)?;
-        if n == 0 || n > l.len {
+        if n == 0 || n > l.state.len {
             return Err(CacheError::Position {
                 position: n,
-                len: l.len,
+                len: l.state.len,
             }
             .into());
         }
@@ -419,7 +413,7 @@ impl DeviceSequence {
         pool.after(ext)?;
         let (qh, kvh, d, gs) = (cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.group_size());
         let view = self.view(layer);
-        let nb = cache_blocks(l.len, l.sealed);
+        let nb = cache_blocks(l.state.len, l.state.sealed);
         // Enough splits for two blocks per SM, none empty.
         let want = (2 * pool.sms).div_ceil(kvh * n).max(1);
         let per = nb.div_ceil(want.min(nb).max(1)).max(1);
@@ -436,7 +430,7 @@ impl DeviceSequence {
                 smem as i32,
             )?;
         }
-        let (qh_i, base_i, per_i) = (qh as i32, (l.len - n) as i32, per as i32);
+        let (qh_i, base_i, per_i) = (qh as i32, (l.state.len - n) as i32, per as i32);
         let mut launch = s.launch_builder(func);
         launch
             .arg(&view)
@@ -487,15 +481,12 @@ impl DeviceSequence {
         let s = self.pool.stream.clone();
         for l in self.layers.iter_mut() {
             let (st, resume) = rules.truncate(l.state(), n);
-            if st.sealed < l.sealed {
+            if st.sealed < l.state.sealed {
                 let dropped = l.blocks.split_off(st.sealed);
                 self.pool.slots.release(&dropped);
                 upload_blocks(&s, l)?;
             }
-            l.len = st.len;
-            l.sealed = st.sealed;
-            l.sealed_prev = st.sealed_prev;
-            l.draining = st.draining;
+            l.state = st;
             reprocess = reprocess.min(resume);
         }
         Ok(reprocess)
@@ -507,7 +498,7 @@ impl DeviceSequence {
         let lens: Vec<(usize, usize, f64)> = self
             .layers
             .iter()
-            .map(|l| (l.len, l.sealed, bits))
+            .map(|l| (l.state.len, l.state.sealed, bits))
             .collect();
         let ring = self.layers.iter().map(|l| l.ring.len()).sum();
         let slots: usize = self.layers.iter().map(|l| l.blocks.len()).sum();
@@ -515,7 +506,7 @@ impl DeviceSequence {
         let in_use = self
             .layers
             .iter()
-            .filter(|l| l.len > 0)
+            .filter(|l| l.state.len > 0)
             .map(|l| (1, l.ring.len() + l.blocks.len() * slot))
             .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         memory_report(&self.config, &lens, ring, slots * slot, in_use)

@@ -23,10 +23,10 @@ impl DeviceSequence {
                 s.memcpy_dtoh(&self.pool.arena().slice(at..at + slot), dst)?;
             }
             images.push(LayerImage {
-                len: l.len,
-                sealed: l.sealed,
-                sealed_prev: l.sealed_prev,
-                draining: l.draining,
+                len: l.state.len,
+                sealed: l.state.sealed,
+                sealed_prev: l.state.sealed_prev,
+                draining: l.state.draining,
                 sink_k: s.clone_dtoh(&l.sink_k)?,
                 sink_v: s.clone_dtoh(&l.sink_v)?,
                 ring: s.clone_dtoh(&l.ring)?,
@@ -57,10 +57,7 @@ impl DeviceSequence {
                 s.memcpy_htod(rec, &mut pool.arena().slice_mut(at..at + slot))?;
                 l.blocks.push(id);
             }
-            l.len = img.len;
-            l.sealed = img.sealed;
-            l.sealed_prev = img.sealed_prev;
-            l.draining = img.draining;
+            l.state = img.state();
             upload_blocks(&s, l)?;
         }
         s.synchronize()?;

@@ -38,8 +38,8 @@ impl DeviceSequence {
             k_codebook: codebook(rec.bits_k, false),
             v_codebook: codebook(rec.bits_v, true),
             slot_bytes: self.pool.slot_bytes() as u64,
-            len: l.len as i32,
-            sealed: l.sealed as i32,
+            len: l.state.len as i32,
+            sealed: l.state.sealed as i32,
             kv_heads: self.config.kv_heads as i32,
             head_dim: d as i32,
             ring_rows: self.config.ring_rows() as i32,
@@ -73,7 +73,7 @@ impl DeviceSequence {
         let mut written = 0usize;
         for c in plan {
             let (take, target) = (c.take, c.state.sealed);
-            let from = self.layers[layer].sealed;
+            let from = self.layers[layer].state.sealed;
             if target > from {
                 let at = slots.len() - (target - from);
                 let ids: Vec<SlotId> = slots.split_off(at).into_iter().rev().collect();
@@ -84,8 +84,8 @@ impl DeviceSequence {
             }
             let (lo, hi) = (start + written, start + written + take);
             let l = &mut self.layers[layer];
-            l.sealed_prev = c.state.sealed_prev;
-            l.draining = c.state.draining;
+            l.state.sealed_prev = c.state.sealed_prev;
+            l.state.draining = c.state.draining;
             // Sink positions.
             if lo < SINK {
                 let (a, b) = (lo, hi.min(SINK));
@@ -114,7 +114,7 @@ impl DeviceSequence {
                 )?;
                 pos += count;
             }
-            l.len = hi;
+            l.state.len = hi;
             written += take;
         }
         Ok(())
@@ -172,7 +172,7 @@ impl DeviceSequence {
         let at = l.blocks.len();
         s.memcpy_htod(slots, &mut l.blocks_dev.slice_mut(at..at + slots.len()))?;
         l.blocks.extend_from_slice(slots);
-        l.sealed = to;
+        l.state.sealed = to;
         Ok(())
     }
 

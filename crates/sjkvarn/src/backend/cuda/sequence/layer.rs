@@ -11,10 +11,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 pub(crate) struct DeviceLayer {
-    pub(crate) len: usize,
-    pub(crate) sealed: usize,
-    pub(crate) sealed_prev: usize,
-    pub(crate) draining: bool,
+    pub(crate) state: LayerState,
     pub(crate) sink_k: CudaSlice<u16>,
     pub(crate) sink_v: CudaSlice<u16>,
     pub(crate) ring: CudaSlice<u8>,
@@ -25,12 +22,7 @@ pub(crate) struct DeviceLayer {
 
 impl DeviceLayer {
     pub(crate) fn state(&self) -> LayerState {
-        LayerState {
-            len: self.len,
-            sealed: self.sealed,
-            sealed_prev: self.sealed_prev,
-            draining: self.draining,
-        }
+        self.state
     }
 }
 

@@ -4,16 +4,14 @@
 use super::super::CudaResult;
 use super::layer::DeviceLayer;
 use crate::backend::cuda::pool::DevicePool;
+use crate::journal::LayerState;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// What a failed append or seal must put back in one layer: its lengths, its block list and,
 /// where the failed work may have overwritten live rows, a device copy of its ring.
 pub(crate) struct LayerUndo {
-    pub(crate) len: usize,
-    pub(crate) sealed: usize,
-    pub(crate) sealed_prev: usize,
-    pub(crate) draining: bool,
+    pub(crate) state: LayerState,
     pub(crate) blocks: usize,
     pub(crate) ring: Option<CudaSlice<u8>>,
 }
@@ -21,10 +19,7 @@ pub(crate) struct LayerUndo {
 impl LayerUndo {
     pub(crate) fn take(l: &DeviceLayer, s: &Arc<CudaStream>, keep_ring: bool) -> CudaResult<Self> {
         Ok(Self {
-            len: l.len,
-            sealed: l.sealed,
-            sealed_prev: l.sealed_prev,
-            draining: l.draining,
+            state: l.state,
             blocks: l.blocks.len(),
             ring: if keep_ring {
                 Some(s.clone_dtod(&l.ring)?)
@@ -39,10 +34,7 @@ impl LayerUndo {
     pub(crate) fn restore(self, l: &mut DeviceLayer, pool: &DevicePool) -> CudaResult<()> {
         let added = l.blocks.split_off(self.blocks);
         pool.slots.release(&added);
-        l.len = self.len;
-        l.sealed = self.sealed;
-        l.sealed_prev = self.sealed_prev;
-        l.draining = self.draining;
+        l.state = self.state;
         if let Some(ring) = self.ring {
             pool.stream.memcpy_dtod(&ring, &mut l.ring)?;
         }
